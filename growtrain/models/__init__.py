@@ -1,0 +1,5 @@
+"""Growable networks built from the residual families."""
+
+from growtrain.models.resnet import CifarResNet, cifar_resnet, stage_counts
+
+__all__ = ["CifarResNet", "cifar_resnet", "stage_counts"]

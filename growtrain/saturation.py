@@ -1,0 +1,606 @@
+"""The saturation certificate: one joint probe pass that scores every candidate site.
+
+``measure_saturation(network, probe_loader, loss_fn)`` puts a zero-output *candidate* block
+(a ghost) at every site of ``network.sites()`` at once. Because every ghost has ``V = 0`` the
+network's function is unchanged and the joint gradient is the concatenation of the per-site
+gradients (the paper's Corollary 2), so one forward+backward per probe batch scores all sites.
+A ghost never runs ``V``: the probe keeps its features ``φ(z)`` from the forward pass and the
+activation gradient ``q`` at the site from the backward pass, and forms ``ξ = J(z)ᵀ q``
+directly (DESIGN.md §2).
+
+Per site it reports ``grad_norm = ‖ĝ‖₂``, ``variance = σ̂²``, ``ag`` (Remark 1), ``ag_batch``
+(Eq. 2) and ``projected = V_S = sqrt(ĝᵀ Ĝ† ĝ)`` (Lemma 4); the decision is Proposition 1's
+``saturated ⇔ Γ̂_n ≤ δ + t``.
+
+Conventions: ``loss_fn(output, target)`` returns the *mean* loss over the batch's samples
+(for language models, a sample is a sequence), so the per-sample activation gradient is the
+batch size times the gradient of the batch loss. The probe runs in eval mode, so samples are
+independent (BatchNorm uses running statistics). No Lightning import here.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from growtrain import probe_math as pm
+from growtrain.families.base import ChannelAffineFeatures, DenseFeatures
+from growtrain.growable import Site, terminal_parameters
+
+__all__ = ["measure_saturation", "SaturationReport", "SiteRecord", "candidate_blocks", "calibrate_candidates"]
+
+RULES = ("paper", "crossfit")
+
+
+# -- report --------------------------------------------------------------------------------
+@dataclass
+class SiteRecord:
+    """Scores of one candidate site; ``block`` is the scored candidate (``V = 0``)."""
+
+    site: Site
+    block: nn.Module
+    grad_norm: float
+    variance: float
+    ag: float
+    ag_batch: float
+    projected: float | None
+    grad: list[torch.Tensor] = field(repr=False)  # ĝ, shaped like block.terminal_parameters()
+    lower: float | None = None  # rule="crossfit": certified lower bound on ‖g_pop‖
+
+    @property
+    def name(self) -> str:
+        return self.site.name
+
+    @property
+    def realisability(self) -> float | None:
+        """``V_S / AG`` (Remark 3): 1 when the activation gradient is fully realisable."""
+        if self.projected is None or self.ag == 0:
+            return None
+        return self.projected / self.ag
+
+    def to_dict(self) -> dict:
+        return {
+            "site": self.name,
+            "grad_norm": self.grad_norm,
+            "variance": self.variance,
+            "ag": self.ag,
+            "ag_batch": self.ag_batch,
+            "projected": self.projected,
+            "realisability": self.realisability,
+            "lower": self.lower,
+        }
+
+
+@dataclass
+class SaturationReport:
+    sites: list[SiteRecord]
+    gamma: float  # Γ̂_n = max_l ‖ĝ_l‖₂
+    t: float
+    threshold: float  # δ + t
+    delta: float
+    alpha: float
+    n: int
+    saturated: bool
+    best_site: str | None  # the site growth would use (None when saturated)
+    error_bound: float  # Σ_l σ̂²_l / (n t²)
+    rule: str = "paper"
+    reason: str = ""
+    extra: dict = field(default_factory=dict)  # rule-specific figures (e.g. crossfit levels)
+
+    @property
+    def ag_max(self) -> float:
+        return max(r.ag for r in self.sites)
+
+    @property
+    def best_record(self) -> SiteRecord:
+        """The top-scoring site's record (also when saturated)."""
+        return max(self.sites, key=lambda r: r.grad_norm)
+
+    def record(self, site: Site | str) -> SiteRecord:
+        name = site.name if isinstance(site, Site) else site
+        for r in self.sites:
+            if r.name == name:
+                return r
+        raise KeyError(f"site: no record for {name!r}; scored sites are {[r.name for r in self.sites]}")
+
+    def to_dict(self) -> dict:
+        return {
+            "rule": self.rule,
+            "gamma": self.gamma,
+            "t": self.t,
+            "threshold": self.threshold,
+            "delta": self.delta,
+            "alpha": self.alpha,
+            "n": self.n,
+            "saturated": self.saturated,
+            "best_site": self.best_site,
+            "error_bound": self.error_bound,
+            "ag_max": self.ag_max,
+            "reason": self.reason,
+            **{k: v for k, v in self.extra.items()},
+            "sites": [r.to_dict() for r in self.sites],
+        }
+
+    def table(self):
+        from growtrain.report import saturation_table
+
+        return saturation_table(self)
+
+    def __rich__(self):
+        return self.table()
+
+
+# -- candidates ----------------------------------------------------------------------------
+def candidate_blocks(network: nn.Module, seed: int | None = 0) -> dict[str, nn.Module]:
+    """A fresh zero-output candidate per site, reproducible from ``seed`` (site ``j`` uses
+    the private stream ``seed·1000003 + j``)."""
+    out = {}
+    for j, site in enumerate(network.sites()):
+        out[site.name] = network.new_block(site, seed=None if seed is None else int(seed) * 1_000_003 + j)
+    return out
+
+
+def _batch_norms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+# -- hooks ---------------------------------------------------------------------------------
+@contextmanager
+def _site_hooks(network: nn.Module, sites: list[Site], on_activation: Callable[[int, torch.Tensor], Any]):
+    """Call ``on_activation(j, z)`` with the activation at site ``j`` during each forward.
+
+    The activation at ``stage.i`` is the input of block ``i`` (or the output of the stage's
+    last block at the end). A returned tensor replaces the activation.
+    """
+    handles = []
+    try:
+        for j, site in enumerate(sites):
+            stage = network.stage(site.stage)
+            if site.index < len(stage):
+
+                def pre_hook(module, args, j=j):
+                    new = on_activation(j, args[0])
+                    return None if new is None else (new,) + tuple(args[1:])
+
+                handles.append(stage[site.index].register_forward_pre_hook(pre_hook))
+            else:
+
+                def post_hook(module, args, output, j=j):
+                    return on_activation(j, output)
+
+                handles.append(stage[site.index - 1].register_forward_hook(post_hook))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _to_device(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(o, device) for o in obj)
+    if isinstance(obj, Mapping):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _batch_size(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return int(obj.shape[0])
+    if isinstance(obj, (list, tuple)):
+        return _batch_size(obj[0])
+    if isinstance(obj, Mapping):
+        return _batch_size(next(iter(obj.values())))
+    raise TypeError(f"probe_loader: cannot tell the batch size of a {type(obj).__name__}")
+
+
+def _split_batch(batch):
+    if not isinstance(batch, (list, tuple)) or len(batch) != 2:
+        raise TypeError(
+            f"probe_loader: expected batches of (input, target), got {type(batch).__name__}"
+            + (f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else "")
+        )
+    return batch
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=dtype)
+
+
+# -- BatchNorm calibration of the ghosts -----------------------------------------------------
+@torch.no_grad()
+def calibrate_candidates(
+    network: nn.Module,
+    candidates: Mapping[str, nn.Module],
+    probe_loader: Iterable,
+    *,
+    autocast_dtype: torch.dtype | None = None,
+    sync_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Set each ghost's BatchNorm running statistics from the probe sample's activations.
+
+    A fresh BatchNorm has running mean 0 and variance 1, so in eval mode a ghost's features
+    would be unnormalised. One forward pass over the probe inputs (no labels, no gradients, so
+    the protocol is still fixed before any gradient is seen) runs each ghost in train mode with
+    a cumulative average (``momentum=None``), the way ``torch.optim.swa_utils.update_bn``
+    does. Inner BatchNorms see batch-normalised inputs during this pass, a small approximation.
+    With ``sync_fn`` (a sum over ranks) the statistics are averaged over ranks.
+    """
+    sites = network.sites()
+    blocks = [candidates[s.name] for s in sites]
+    bns = [bn for b in blocks for bn in _batch_norms(b)]
+    if not bns:
+        return
+    saved = [(bn.momentum, bn.training) for bn in bns]
+    for bn in bns:
+        bn.reset_running_stats()
+        bn.momentum = None
+    was_training = network.training
+    network.eval()
+    device = network.neighbour_tensor(sites[0]).device
+
+    def run_ghost(j, z):
+        blocks[j].train()
+        blocks[j](z)
+        blocks[j].eval()
+
+    try:
+        with _site_hooks(network, sites, run_ghost), _autocast(device, autocast_dtype):
+            for batch in probe_loader:
+                x, _ = _split_batch(batch)
+                network(_to_device(x, device))
+    finally:
+        network.train(was_training)
+        for bn, (momentum, training) in zip(bns, saved):
+            bn.momentum = momentum
+            bn.train(training)
+    if sync_fn is not None:
+        world = float(sync_fn(torch.ones((), device=device, dtype=torch.float64)))
+        for bn in bns:
+            bn.running_mean.copy_(sync_fn(bn.running_mean.double()) / world)
+            bn.running_var.copy_(sync_fn(bn.running_var.double()) / world)
+
+
+# -- per-site accumulation -----------------------------------------------------------------
+class _SiteAccumulator:
+    """Streamed float64 sums for one site; every field is a sum, so ranks all-reduce them."""
+
+    def __init__(self, block: nn.Module, projected: bool):
+        self.block = block
+        self.projected = projected
+        self.fast = hasattr(block, "probe_features")
+        self.sum_xi: torch.Tensor | None = None  # Σ ξ_i
+        self.sum_sq = torch.zeros((), dtype=torch.float64)  # Σ ‖ξ_i‖²
+        self.sum_q_sq = torch.zeros((), dtype=torch.float64)  # Σ ‖q_i‖²
+        self.sum_batch_norm = torch.zeros((), dtype=torch.float64)  # Σ_b ‖∇_H L_b‖
+        self.gram: torch.Tensor | None = None  # Σ J_iᵀ J_i in the kind's compact form
+        self.kind = None
+
+    def features(self, z: torch.Tensor):
+        """What the forward pass keeps for this site (no graph)."""
+        return self.block.probe_features(z) if self.fast else z
+
+    def per_sample(self, feats, q: torch.Tensor) -> torch.Tensor:
+        """Per-sample cross-gradients ``ξ_i``, and the Gram increment when asked."""
+        if isinstance(feats, DenseFeatures):
+            self.kind = "dense"
+            patches = feats.patches().to(q.dtype)  # (B, P, K)
+            if q.dim() == 2:
+                qq = q.unsqueeze(1)  # (B, 1, N)
+            elif feats.conv is not None:
+                qq = q.flatten(2).transpose(1, 2)  # (B, N, H, W) → (B, P, N)
+            else:
+                qq = q  # (B, T, N)
+            if self.projected:
+                self._add_gram(pm.dense_gram(patches))
+            return pm.dense_cross_gradients(patches, qq)  # (B, N, K)
+        if isinstance(feats, ChannelAffineFeatures):
+            self.kind = "affine"
+            uhat, mask, qq = feats.uhat.to(q.dtype), feats.mask.to(q.dtype), q.flatten(2)
+            if self.projected:
+                self._add_gram(pm.affine_gram(uhat, mask))
+            return pm.affine_cross_gradients(uhat, mask, qq)  # (B, C, 2)
+        self.kind = "generic"
+        xi, jac = _generic_per_sample(self.block, feats, q, self.projected)
+        if jac is not None:
+            self._add_gram(torch.einsum("bop,boq->pq", jac, jac))
+        return xi  # (B, p)
+
+    def _add_gram(self, gram: torch.Tensor) -> None:
+        gram = gram.double()
+        self.gram = gram if self.gram is None else self.gram + gram
+
+    def update(self, feats, q: torch.Tensor, batch_grad: torch.Tensor) -> torch.Tensor:
+        xi = self.per_sample(feats, q)
+        s = xi.sum(0).double()
+        self.sum_xi = s if self.sum_xi is None else self.sum_xi + s
+        self.sum_sq += xi.flatten(1).pow(2).sum(1).double().sum()
+        self.sum_q_sq += q.double().pow(2).sum()
+        self.sum_batch_norm += batch_grad.double().norm()
+        return xi
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.sum_xi, self.sum_sq, self.sum_q_sq, self.sum_batch_norm]
+        return out + ([self.gram] if self.gram is not None else [])
+
+    def load(self, tensors: list[torch.Tensor]) -> None:
+        self.sum_xi, self.sum_sq, self.sum_q_sq, self.sum_batch_norm = tensors[:4]
+        if self.gram is not None:
+            self.gram = tensors[4]
+
+    def projected_value(self, n: int) -> float | None:
+        if not self.projected or self.gram is None:
+            return None
+        grad, gram = self.sum_xi / n, self.gram / n
+        if self.kind == "dense":
+            return float(pm.projected_dense(grad, gram))
+        if self.kind == "affine":
+            return float(pm.projected_blocks(grad, gram))
+        return float(pm.projected_full(grad.flatten(), gram))
+
+    def split(self, vector: torch.Tensor) -> list[torch.Tensor]:
+        params = terminal_parameters(self.block)
+        if self.fast and hasattr(self.block, "split_terminal"):
+            return [t.to(p.dtype) for t, p in zip(self.block.split_terminal(vector), params)]
+        flat, out, start = vector.flatten(), [], 0
+        for p in params:
+            out.append(flat[start : start + p.numel()].reshape(p.shape).to(p.dtype))
+            start += p.numel()
+        return out
+
+
+GENERIC_GRAM_LIMIT = 4096
+
+
+def _generic_per_sample(block: nn.Module, z: torch.Tensor, q: torch.Tensor, with_jacobian: bool):
+    """Per-sample ``ξ_i = J_iᵀ q_i`` of a block without a feature form, by ``torch.func``.
+
+    Returns ``(ξ: (B, p), J: (B, out, p) or None)``.
+    """
+    from torch.func import functional_call, jacrev, vjp, vmap
+
+    terminal = terminal_parameters(block)
+    ids = {id(p) for p in terminal}
+    names = {id(p): name for name, p in block.named_parameters()}
+    t_names = [names[id(p)] for p in terminal]
+    fixed = {name: p.detach() for name, p in block.named_parameters() if id(p) not in ids}
+    fixed.update(dict(block.named_buffers()))
+    t_values = tuple(p.detach() for p in terminal)
+
+    def out_fn(values, z_i):
+        params = {**fixed, **dict(zip(t_names, values))}
+        return functional_call(block, params, (z_i.unsqueeze(0),)).squeeze(0)
+
+    def xi_fn(z_i, q_i):
+        _, pullback = vjp(lambda values: out_fn(values, z_i), t_values)
+        return torch.cat([g.flatten() for g in pullback(q_i)[0]])
+
+    xi = vmap(xi_fn)(z, q)  # (B, p)
+    jac = None
+    if with_jacobian:
+        p = xi.shape[1]
+        if p > GENERIC_GRAM_LIMIT:
+            raise ValueError(
+                f"projected: this block's terminal map has {p} parameters; the generic path builds a "
+                f"({p}×{p}) Gram matrix from full Jacobians (limit {GENERIC_GRAM_LIMIT}). Pass "
+                "projected=False, or give the block a probe_features() fast form."
+            )
+
+        def jac_fn(z_i):
+            jacs = jacrev(lambda values: out_fn(values, z_i))(t_values)
+            return torch.cat([j.reshape(-1, int(t.numel())) for j, t in zip(jacs, t_values)], dim=1)
+
+        jac = vmap(jac_fn)(z)  # (B, out, p)
+    return xi, jac
+
+
+# -- the probe pass ------------------------------------------------------------------------
+def _check_arguments(network, delta, alpha, t, rule):
+    if not (callable(getattr(network, "sites", None)) and callable(getattr(network, "stage", None))):
+        raise TypeError(
+            f"network: expected a growable network with sites() (e.g. growtrain.models.cifar_resnet "
+            f"or growtrain.GrowableStack), got {type(network).__name__}"
+        )
+    if not network.sites():
+        raise ValueError("network: it has no candidate sites, so there is nothing to score")
+    if not (isinstance(delta, (int, float)) and math.isfinite(delta) and delta >= 0):
+        raise ValueError(f"delta: expected a finite number ≥ 0 (the practical-saturation margin), got {delta!r}")
+    if t is None:
+        if not (isinstance(alpha, (int, float)) and 0 < alpha < 1):
+            raise ValueError(f"alpha: expected a target error probability in (0, 1), e.g. 0.05, got {alpha!r}")
+    elif not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+        raise ValueError(f"t: expected a finite number > 0 (or None to derive it from alpha), got {t!r}")
+    if rule not in RULES:
+        raise ValueError(f"rule: expected one of {RULES}, got {rule!r}")
+
+
+def measure_saturation(
+    network: nn.Module,
+    probe_loader: Iterable,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    *,
+    delta: float = 0.0,
+    alpha: float = 0.05,
+    t: float | None = None,
+    projected: bool = True,
+    rule: str = "paper",
+    candidates: Mapping[str, nn.Module] | None = None,
+    seed: int | None = 0,
+    calibrate: bool = True,
+    autocast_dtype: torch.dtype | None = None,
+    sync_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    select: str = "grad_norm",
+) -> SaturationReport:
+    """Score every candidate site of ``network`` on an independent probe sample.
+
+    Args:
+        network: a growable network (``sites()``, ``stage()``, ``new_block()``).
+        probe_loader: yields ``(input, target)``; must be independent of the training data.
+        loss_fn: ``loss_fn(output, target)`` → mean loss of the batch.
+        delta: practical-saturation margin ``δ ≥ 0``.
+        alpha: target error probability; ``t = sqrt(Σσ̂²/(nα))`` unless ``t`` is given.
+        t: the separation ``t > 0`` of Proposition 1 (overrides ``alpha``).
+        projected: also compute ``V_S`` (costs Gram matrices; the decision does not need it).
+        rule: ``"paper"`` (Proposition 1) or ``"crossfit"`` (see ``growtrain.crossfit``).
+        candidates: site name → candidate block (``V = 0``); fresh ones from ``seed`` if None.
+        calibrate: set the candidates' BatchNorm statistics on the probe inputs first.
+        autocast_dtype: e.g. ``torch.bfloat16`` to run the network under autocast.
+        sync_fn: sums a tensor over ranks (DDP); every rank then reaches the same decision.
+        select: rank sites by ``"grad_norm"`` (the paper's Γ̂) or ``"projected"``.
+    """
+    _check_arguments(network, delta, alpha, t, rule)
+    if select not in ("grad_norm", "projected"):
+        raise ValueError(f"select: expected 'grad_norm' or 'projected', got {select!r}")
+    if select == "projected" and not projected:
+        raise ValueError("select: 'projected' ranking needs projected=True")
+    sites = network.sites()
+    if candidates is None:
+        candidates = candidate_blocks(network, seed)
+    missing = [s.name for s in sites if s.name not in candidates]
+    if missing:
+        raise ValueError(f"candidates: no candidate block for sites {missing}")
+    for s in sites:
+        block = candidates[s.name]
+        if any(bool(torch.any(p.detach() != 0)) for p in terminal_parameters(block)):
+            raise ValueError(f"candidates: the block for {s.name} is not zero-output (terminal map ≠ 0)")
+        block.eval()
+
+    crossfit = None
+    if rule == "crossfit":
+        from growtrain.crossfit import CrossFitState
+
+        crossfit = CrossFitState.for_loader(probe_loader, len(sites), sync_fn=sync_fn)
+
+    device = network.neighbour_tensor(sites[0]).device
+    was_training = network.training
+    with torch.inference_mode(False), torch.enable_grad():
+        if calibrate:
+            calibrate_candidates(network, candidates, probe_loader, autocast_dtype=autocast_dtype, sync_fn=sync_fn)
+        network.eval()
+        try:
+            accs, n, batches = _probe_pass(
+                network, sites, candidates, probe_loader, loss_fn, device, projected, autocast_dtype, crossfit
+            )
+        finally:
+            network.train(was_training)
+
+    if sync_fn is not None:
+        n, batches = _all_reduce(accs, n, batches, sync_fn, device)
+    if n < 2:
+        raise ValueError(f"probe_loader: the probe sample has {n} sample(s); at least 2 are needed for σ̂²")
+    return _report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfit)
+
+
+def _probe_pass(network, sites, candidates, loader, loss_fn, device, projected, autocast_dtype, crossfit):
+    accs = [_SiteAccumulator(candidates[s.name], projected) for s in sites]
+    captured: list = [None] * len(sites)
+
+    def capture(j, z):
+        replaced = None
+        if not z.requires_grad:  # e.g. a frozen stem: start the graph here
+            z = replaced = z.detach().requires_grad_(True)
+        with torch.no_grad():
+            feats = accs[j].features(z.detach())
+        captured[j] = (z, feats)
+        return replaced
+
+    n = batches = 0
+    with _site_hooks(network, sites, capture):
+        for b, batch in enumerate(loader):
+            x, y = _split_batch(batch)
+            x, y = _to_device(x, device), _to_device(y, device)
+            with _autocast(device, autocast_dtype):
+                loss = loss_fn(network(x), y)
+            if loss.dim() != 0:
+                raise ValueError(f"loss_fn: expected a scalar mean loss, got shape {tuple(loss.shape)}")
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"probe batch {b}: the loss is {loss.item()}; no decision was made")
+            zs = [c[0] for c in captured]
+            grads = torch.autograd.grad(loss, zs, allow_unused=True)
+            size = _batch_size(y)
+            for j, (grad, (z, feats)) in enumerate(zip(grads, captured)):
+                if grad is None:
+                    grad = torch.zeros_like(z)
+                grad = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+                if not torch.isfinite(grad).all():
+                    raise FloatingPointError(
+                        f"probe batch {b}: non-finite activation gradient at site {sites[j].name}; no decision was made"
+                    )
+                q = grad * size  # per-sample activation gradients (the loss is a batch mean)
+                xi = accs[j].update(feats, q, grad)
+                if crossfit is not None:
+                    crossfit.update(j, xi, n)
+            captured[:] = [None] * len(sites)
+            n += size
+            batches += 1
+    if n == 0:
+        raise ValueError("probe_loader: it yielded no batches; pass a non-empty probe sample")
+    return accs, n, batches
+
+
+def _all_reduce(accs, n, batches, sync_fn, device):
+    tensors = [t for a in accs for t in a.tensors()]
+    counts = torch.tensor([n, batches], dtype=torch.float64)
+    flat = torch.cat([t.flatten().to(device) for t in tensors] + [counts.to(device)])
+    flat = sync_fn(flat).cpu()
+    start = 0
+    for a in accs:
+        new = []
+        for t in a.tensors():
+            new.append(flat[start : start + t.numel()].reshape(t.shape))
+            start += t.numel()
+        a.load(new)
+    return int(flat[start].item()), int(flat[start + 1].item())
+
+
+def _report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfit) -> SaturationReport:
+    records = []
+    for site, acc in zip(sites, accs):
+        grad = acc.sum_xi.cpu() / n
+        grad_norm = float(grad.norm())
+        variance = pm.sample_variance(float(acc.sum_sq), float(acc.sum_xi.pow(2).sum()), n)
+        records.append(
+            SiteRecord(
+                site=site,
+                block=acc.block,
+                grad_norm=grad_norm,
+                variance=variance,
+                ag=math.sqrt(float(acc.sum_q_sq) / n),
+                ag_batch=float(acc.sum_batch_norm) / batches,
+                projected=acc.projected_value(n),
+                grad=acc.split(grad),
+            )
+        )
+    gamma = max(r.grad_norm for r in records)
+    total_variance = sum(r.variance for r in records)
+    if t is None:
+        t = pm.chebyshev_t(total_variance, n, alpha)
+    bound = pm.chebyshev_bound(total_variance, n, t)
+    saturated, reason = pm.decide_paper(gamma, delta, t)
+    key = (lambda r: r.projected) if select == "projected" else (lambda r: r.grad_norm)
+    best = max(records, key=key)
+    report = SaturationReport(
+        sites=records,
+        gamma=gamma,
+        t=t,
+        threshold=delta + t,
+        delta=delta,
+        alpha=alpha,
+        n=n,
+        saturated=saturated,
+        best_site=None if saturated else best.name,
+        error_bound=bound,
+        rule="paper",
+        reason=reason,
+    )
+    if crossfit is not None:
+        crossfit.apply(report, delta=delta, alpha=alpha)
+    return report
