@@ -37,13 +37,16 @@ def make_mini(src: Path, out: Path) -> Path:
         x = read_idx(src / f"{prefix}-images-idx3-ubyte.gz")
         y = read_idx(src / f"{prefix}-labels-idx1-ubyte.gz")
         idx = first_per_class(y, n)
-        arrays |= {f"x_{split}": x[idx], f"y_{split}": y[idx], f"{split}_index": idx.astype(np.int32)}
+        arrays[f"x_{split}"], arrays[f"y_{split}"] = x[idx], y[idx]
+        arrays[f"{split}_index"] = idx.astype(np.int32)
     np.savez_compressed(out, **arrays)
     return out
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--src", type=Path, default=Path("/usr/share/datasets/fashion-mnist"))
     p.add_argument("--out", type=Path, default=MINI_PATH)
     a = p.parse_args()
