@@ -130,7 +130,7 @@ class GrowableMixin:
         for module in (stage, self):
             for p in module.parameters():
                 return p
-        raise RuntimeError("network has no parameters to take a device/dtype from")
+        raise ValueError("network: it has no parameters to take a new block's device/dtype from")
 
     def new_block(self, site: Site | str, seed: int | None = None) -> nn.Module:
         """A fresh zero-output candidate block for ``site`` on the neighbours' device/dtype.

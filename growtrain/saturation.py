@@ -149,6 +149,16 @@ def _batch_norms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
     return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
+def _save_modes(module: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """Every submodule's own train/eval flag (a user may keep, e.g., a frozen BN in eval)."""
+    return [(m, m.training) for m in module.modules()]
+
+
+def _restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
+    for m, training in modes:
+        m.training = training
+
+
 # -- hooks ---------------------------------------------------------------------------------
 @contextmanager
 def _site_hooks(network: nn.Module, sites: list[Site], on_activation: Callable[[int, torch.Tensor], Any]):
@@ -243,7 +253,7 @@ def calibrate_candidates(
     for bn in bns:
         bn.reset_running_stats()
         bn.momentum = None
-    was_training = network.training
+    modes = _save_modes(network)
     network.eval()
     device = network.neighbour_tensor(sites[0]).device
 
@@ -258,7 +268,7 @@ def calibrate_candidates(
                 x, _ = _split_batch(batch)
                 network(_to_device(x, device))
     finally:
-        network.train(was_training)
+        _restore_modes(modes)
         for bn, (momentum, training) in zip(bns, saved):
             bn.momentum = momentum
             bn.train(training)
@@ -350,6 +360,11 @@ class _SiteAccumulator:
         params = terminal_parameters(self.block)
         if self.fast and hasattr(self.block, "split_terminal"):
             return [t.to(p.dtype) for t, p in zip(self.block.split_terminal(vector), params)]
+        if self.kind == "dense" and vector.dim() == 2 and len(params) == 2:
+            rows, cols = vector.shape  # (N, K+1) for DenseFeatures(bias=True): weight columns, then bias
+            weight, bias = params
+            if bias.numel() == rows and weight.numel() == rows * (cols - 1):
+                return [vector[:, :-1].reshape(weight.shape).to(weight.dtype), vector[:, -1].reshape(bias.shape).to(bias.dtype)]
         flat, out, start = vector.flatten(), [], 0
         for p in params:
             out.append(flat[start : start + p.numel()].reshape(p.shape).to(p.dtype))
@@ -438,6 +453,8 @@ def measure_saturation(
     autocast_dtype: torch.dtype | None = None,
     sync_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     select: str = "grad_norm",
+    crossfit_bound: str = "normal",
+    probe_size: int | None = None,
 ) -> SaturationReport:
     """Score every candidate site of ``network`` on an independent probe sample.
 
@@ -454,7 +471,12 @@ def measure_saturation(
         calibrate: set the candidates' BatchNorm statistics on the probe inputs first.
         autocast_dtype: e.g. ``torch.bfloat16`` to run the network under autocast.
         sync_fn: sums a tensor over ranks (DDP); every rank then reaches the same decision.
-        select: rank sites by ``"grad_norm"`` (the paper's Γ̂) or ``"projected"``.
+        select: rank sites by ``"grad_norm"`` (the paper's Γ̂) or ``"projected"`` (paper rule;
+            the cross-fit rule picks the site with the largest lower bound).
+        crossfit_bound: ``rule="crossfit"`` only: ``"normal"`` (CLT) or ``"cantelli"``
+            (distribution-free up to the variance estimate) lower bound.
+        probe_size: ``rule="crossfit"`` only: the number of probe samples on this rank, for a
+            loader without a sized sampler or dataset (the split needs it before the pass).
     """
     _check_arguments(network, delta, alpha, t, rule)
     if select not in ("grad_norm", "projected"):
@@ -477,20 +499,24 @@ def measure_saturation(
     if rule == "crossfit":
         from growtrain.crossfit import CrossFitState
 
-        crossfit = CrossFitState.for_loader(probe_loader, len(sites), sync_fn=sync_fn)
+        crossfit = CrossFitState.for_loader(
+            probe_loader, len(sites), sync_fn=sync_fn, n=probe_size, bound=crossfit_bound, alpha=alpha
+        )
 
     device = network.neighbour_tensor(sites[0]).device
-    was_training = network.training
+    modes = _save_modes(network)
     with torch.inference_mode(False), torch.enable_grad():
         if calibrate:
-            calibrate_candidates(network, candidates, probe_loader, autocast_dtype=autocast_dtype, sync_fn=sync_fn)
+            # crossfit: calibrate on half A only, so that B stays fresh data given A
+            calibration = probe_loader if crossfit is None else crossfit.first_half(probe_loader)
+            calibrate_candidates(network, candidates, calibration, autocast_dtype=autocast_dtype, sync_fn=sync_fn)
         network.eval()
         try:
             accs, n, batches = _probe_pass(
                 network, sites, candidates, probe_loader, loss_fn, device, projected, autocast_dtype, crossfit
             )
         finally:
-            network.train(was_training)
+            _restore_modes(modes)
 
     if sync_fn is not None:
         n, batches = _all_reduce(accs, n, batches, sync_fn, device)

@@ -24,6 +24,10 @@ class ResidualAdapter(nn.Module):
         missing = [t for t in self.terminal if t not in params]
         if missing:
             raise ValueError(f"terminal: {missing} are not parameters of the block; it has {sorted(params)}")
+        # A block that knows its own feature form keeps the probe's fast path.
+        for name in ("probe_features", "split_terminal"):
+            if hasattr(block, name):
+                setattr(self, name, getattr(block, name))
 
     def forward(self, *args, **kwargs):
         return self.block(*args, **kwargs)
