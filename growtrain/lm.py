@@ -1,0 +1,152 @@
+"""The language-model LightningModule: next-token cross-entropy around a growable GPT.
+
+The paper's GPT-2 recipe (Appendix B.4, Table 6) is the default optimizer: AdamW with
+β = (0.9, 0.95) and weight decay 0.1, not applied to biases, LayerNorm gains or embeddings
+(``growtrain.optim.param_groups(..., no_decay="gpt")``). The rest of the recipe lives in the
+Trainer/config: gradient clipping 1.0 (``trainer.gradient_clip_val``), a 1% linear warmup then
+cosine decay to 10% of the peak (``growtrain.optim.WarmupCosine``, stepped per optimizer step),
+bf16 (``trainer.precision: bf16-mixed``). See ``configs/paper/gpt2_small.yaml``.
+
+Growth: ``LanguageModel.probe_loss`` is the loss ``measure_saturation`` needs (token-mean
+cross-entropy, i.e. the mean over equal-length sequences of each sequence's token-mean loss);
+checkpoints carry the growth record (``GrowableModuleMixin``), so ``load_from_checkpoint`` and
+``trainer.fit(ckpt_path=...)`` rebuild the grown depth before loading the weights.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Literal, Sequence
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import nn
+from torch.nn import functional as F
+from torchmetrics import MeanMetric
+from torchmetrics.text import Perplexity
+
+from growtrain.models.gpt import GPT, GPTConfig
+from growtrain.module import GrowableModuleMixin
+from growtrain.optim import param_groups
+
+__all__ = ["LanguageModel", "gpt2_adamw", "token_cross_entropy"]
+
+
+def gpt2_adamw(params: Iterable) -> torch.optim.AdamW:
+    """The paper's GPT-2 optimizer (Table 6): AdamW, lr 2.5e-4, β = (0.9, 0.95), weight decay 0.1.
+
+    Groups that set their own ``weight_decay`` (the ``no_decay`` groups: 0) keep it.
+    """
+    return torch.optim.AdamW(params, lr=2.5e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: logits ``(B, T, V)``, target ``(B, T)`` → scalar.
+
+    With equal-length sequences this is the mean over sequences of each sequence's token-mean
+    loss, so a "sample" of the growth certificate is one sequence.
+    """
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1))
+
+
+class LanguageModel(GrowableModuleMixin, LightningModule):
+    """Causal language model around a growable decoder.
+
+    Args:
+        network: a ready network mapping ``(B, T)`` token ids to ``(B, T, vocab)`` logits;
+            ``None`` builds ``growtrain.models.gpt`` from the arguments below. A given network
+            is not saved in the hyper-parameters: pass it again to
+            ``load_from_checkpoint(path, network=...)``.
+        n_layer, d_model, n_head, block_size, vocab_size, dropout, bias: the GPT
+            (``vocab_size`` must match the datamodule's; a CLI links it).
+        optimizer: called with the named param groups each time ``configure_optimizers`` runs;
+            ``None`` = ``gpt2_adamw`` (the paper's AdamW).
+        lr_scheduler: called with the optimizer, e.g. ``growtrain.optim.WarmupCosine``.
+        scheduler_interval: step the scheduler every optimizer ``"step"`` (WarmupCosine) or
+            every ``"epoch"``.
+        no_decay: ``"gpt"`` exempts biases, norms and embeddings from weight decay (the
+            paper); ``"none"`` decays everything.
+
+    Logs per epoch: ``train_loss``, ``train_ppl``, ``val_loss``, ``val_ppl``, ``test_loss``,
+    ``test_ppl`` (token-weighted; ppl = exp of the epoch's mean token loss, torchmetrics'
+    ``Perplexity``); ``loss`` per step in the progress bar.
+    """
+
+    growable_attr = "network"
+
+    def __init__(
+        self,
+        network: nn.Module | None = None,
+        *,
+        n_layer: int = 4,
+        d_model: int = 128,
+        n_head: int = 4,
+        block_size: int = 128,
+        vocab_size: int = 256,
+        dropout: float = 0.0,
+        bias: bool = True,
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        scheduler_interval: Literal["epoch", "step"] = "step",
+        no_decay: Literal["none", "gpt"] = "gpt",
+    ):
+        super().__init__()
+        self.save_hyperparameters(ignore=["network"])
+        # Callables given from Python are code, not data: keep them out of the checkpoint so it
+        # loads with weights_only=True. (LightningCLI passes their config as plain dicts.)
+        for key in ("optimizer", "lr_scheduler"):
+            if callable(self.hparams.get(key)):
+                del self.hparams[key]
+        if scheduler_interval not in ("epoch", "step"):
+            raise ValueError(f"scheduler_interval: expected 'epoch' or 'step', got {scheduler_interval!r}")
+        if no_decay not in ("none", "gpt"):
+            raise ValueError(f"no_decay: expected 'none' or 'gpt', got {no_decay!r}")
+        if network is None:
+            network = GPT(GPTConfig(n_layer, d_model, n_head, block_size, vocab_size, dropout, bias))
+        self.network = network
+        self.optimizer_factory = optimizer or gpt2_adamw
+        self.lr_scheduler_factory = lr_scheduler
+        self.scheduler_interval = scheduler_interval
+        # Read by growtrain.optim.groups_for_new_parameters, so blocks added mid-fit get the
+        # same group rule as configure_optimizers gives them on resume.
+        self.param_group_options = {"no_decay": no_decay}
+        self.metrics = nn.ModuleDict()
+        for stage in ("train", "val", "test"):
+            self.metrics[f"{stage}_loss"] = MeanMetric()
+            self.metrics[f"{stage}_ppl"] = Perplexity()
+
+    # The growth callback finds the probe loss here (ImageClassifier has the same method).
+    probe_loss = staticmethod(token_cross_entropy)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.network(idx)  # (B, T, vocab)
+
+    def _shared_step(self, batch: Sequence[torch.Tensor], stage: str) -> torch.Tensor:
+        x, y = batch  # (B, T), (B, T)
+        logits = self(x)  # (B, T, vocab)
+        loss = token_cross_entropy(logits, y)
+        self.metrics[f"{stage}_loss"].update(loss.detach(), weight=y.numel())
+        self.metrics[f"{stage}_ppl"].update(logits.detach().float(), y)
+        self.log(f"{stage}_loss", self.metrics[f"{stage}_loss"], on_step=False, on_epoch=True, prog_bar=True)
+        self.log(f"{stage}_ppl", self.metrics[f"{stage}_ppl"], on_step=False, on_epoch=True)
+        return loss
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self._shared_step(batch, "train")
+        self.log("loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, logger=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self._shared_step(batch, "val")
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self._shared_step(batch, "test")
+
+    def configure_optimizers(self):
+        # Re-run after growth or at resume: groups come from the current architecture, in a
+        # deterministic order, so resumed optimizer state lines up by position.
+        optimizer = self.optimizer_factory(param_groups(self.network, **self.param_group_options))
+        if self.lr_scheduler_factory is None:
+            return optimizer
+        scheduler = self.lr_scheduler_factory(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval}}
