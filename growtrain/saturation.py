@@ -171,6 +171,12 @@ def _site_hooks(network: nn.Module, sites: list[Site], on_activation: Callable[[
     try:
         for j, site in enumerate(sites):
             stage = network.stage(site.stage)
+            if len(stage) == 0:
+                # A ModuleList is never called itself, so an empty stage has nothing to hook.
+                raise ValueError(
+                    f"network: stage {site.stage!r} has no blocks, so the probe cannot find the activation at "
+                    f"{site.name}; give every growable stage at least one block"
+                )
             if site.index < len(stage):
 
                 def pre_hook(module, args, j=j):
@@ -302,6 +308,14 @@ class _SiteAccumulator:
         """Per-sample cross-gradients ``ξ_i``, and the Gram increment when asked."""
         if isinstance(feats, DenseFeatures):
             self.kind = "dense"
+            if feats.simple_conv:
+                phi = feats.phi.to(q.dtype)
+                if self.projected:
+                    self._add_gram(pm.dense_gram(feats.patches().to(q.dtype)))
+                xi = pm.conv_cross_gradients(phi, q, feats.conv[2])  # (B, N, C·k²)
+                if feats.bias:
+                    xi = torch.cat([xi, q.sum((2, 3)).unsqueeze(-1)], dim=-1)
+                return xi
             patches = feats.patches().to(q.dtype)  # (B, P, K)
             if q.dim() == 2:
                 qq = q.unsqueeze(1)  # (B, 1, N)
@@ -332,9 +346,10 @@ class _SiteAccumulator:
         xi = self.per_sample(feats, q)
         s = xi.sum(0).double()
         self.sum_xi = s if self.sum_xi is None else self.sum_xi + s
-        self.sum_sq += xi.flatten(1).pow(2).sum(1).double().sum()
-        self.sum_q_sq += q.double().pow(2).sum()
-        self.sum_batch_norm += batch_grad.double().norm()
+        # Σ_i ‖ξ_i‖² is the squared norm of the whole (B, …) tensor: no per-sample temporaries.
+        self.sum_sq += torch.linalg.vector_norm(xi).double().pow(2)
+        self.sum_q_sq += torch.linalg.vector_norm(q).double().pow(2)
+        self.sum_batch_norm += torch.linalg.vector_norm(batch_grad).double()
         return xi
 
     def tensors(self) -> list[torch.Tensor]:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from growtrain.probe_math import conv_patches
+
 
 @dataclass
 class DenseFeatures:
@@ -40,13 +42,21 @@ class DenseFeatures:
     bias: bool = False
     conv: tuple | None = None
 
+    @property
+    def simple_conv(self) -> bool:
+        """A stride-1, dilation-1 conv: the probe's fast grouped-convolution path applies."""
+        return self.conv is not None and tuple(self.conv[1]) == (1, 1) and tuple(self.conv[3]) == (1, 1)
+
     def patches(self) -> torch.Tensor:
         """``(B, P, K)`` features, bias column included."""
         phi = self.phi
         if self.conv is not None:
             kernel, dilation, padding, stride = self.conv
-            phi = torch.nn.functional.unfold(phi, kernel, dilation=dilation, padding=padding, stride=stride)
-            phi = phi.transpose(1, 2)  # (B, P, C_in·k²)
+            if self.simple_conv:
+                phi = conv_patches(phi, kernel, padding)  # (B, P, C_in·k²)
+            else:
+                phi = torch.nn.functional.unfold(phi, kernel, dilation=dilation, padding=padding, stride=stride)
+                phi = phi.transpose(1, 2)  # (B, P, C_in·k²)
         elif phi.dim() == 2:
             phi = phi.unsqueeze(1)  # (B, 1, K): one position per sample
         if self.bias:

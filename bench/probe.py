@@ -1,0 +1,130 @@
+"""Cost of the joint probe pass relative to one plain training forward+backward.
+
+    python bench/probe.py                      # cifar_resnet (4,4,4) w=16, 13 sites, n=256
+    python bench/probe.py --family basic --n 256 --repeats 5
+
+Each figure is the median over ``--repeats`` runs in this one process (ratios, not absolute
+times, are what transfer between machines). Peak memory is measured per operation in a
+fresh subprocess as the rise of the process's peak RSS over its baseline after the model and
+data exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+
+from growtrain.models import cifar_resnet  # noqa: E402
+from growtrain.saturation import candidate_blocks, measure_saturation  # noqa: E402
+
+
+def build(args):
+    torch.manual_seed(0)
+    net = cifar_resnet(blocks=tuple(args.blocks), width=args.width, family=args.family)
+    x = torch.randn(args.n, 3, 32, 32)
+    y = torch.randint(0, 10, (args.n,))
+    loader = DataLoader(TensorDataset(x, y), batch_size=args.batch)
+    return net, x, y, loader
+
+
+def op_train(net, x, y, loader, args):
+    net.train()
+    for xb, yb in loader:
+        net.zero_grad(set_to_none=True)
+        F.cross_entropy(net(xb), yb).backward()
+
+
+def op_probe(projected, calibrate):
+    def run(net, x, y, loader, args):
+        measure_saturation(net, loader, F.cross_entropy, projected=projected, calibrate=calibrate)
+
+    return run
+
+
+def op_naive(net, x, y, loader, args):
+    """One forward+backward per site with that site's block really inserted (ĝ only)."""
+    blocks = candidate_blocks(net)
+    for site in net.sites():
+        grown = copy.deepcopy(net).eval()
+        block = grown.grow(site, block=copy.deepcopy(blocks[site.name]))
+        params = block.terminal_parameters()
+        for xb, yb in loader:
+            torch.autograd.grad(F.cross_entropy(grown(xb), yb), params)
+
+
+OPS = {
+    "train_step": op_train,
+    "probe_decision": op_probe(projected=False, calibrate=False),
+    "probe_decision_calibrated": op_probe(projected=False, calibrate=True),
+    "probe_projected": op_probe(projected=True, calibrate=False),
+    "naive_per_site": op_naive,
+}
+
+
+def timed(op, state, args):
+    times = []
+    op(*state, args)  # warm-up
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        op(*state, args)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_memory_child(args):
+    state = build(args)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    OPS[args.memory_of](*state, args)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_kib": peak - base}))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--blocks", type=int, nargs=3, default=[4, 4, 4])
+    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--family", default="preact", choices=["preact", "basic"])
+    p.add_argument("--n", type=int, default=256, help="probe samples")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--skip-naive", action="store_true")
+    p.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.memory_of:
+        return peak_memory_child(args)
+
+    state = build(args)
+    sites = len(state[0].sites())
+    print(f"cifar_resnet{tuple(args.blocks)} w={args.width} {args.family}: {sites} sites, n={args.n}, batch {args.batch}, "
+          f"torch threads {torch.get_num_threads()}, median of {args.repeats}")
+    rows = []
+    ops = [k for k in OPS if not (args.skip_naive and k == "naive_per_site")]
+    base_t = base_m = None
+    for name in ops:
+        t = timed(OPS[name], state, args)
+        cmd = [sys.executable, __file__, "--memory-of", name, "--blocks", *map(str, args.blocks), "--width", str(args.width),
+               "--family", args.family, "--n", str(args.n), "--batch", str(args.batch)]
+        mem = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])["peak_kib"]
+        if name == "train_step":
+            base_t, base_m = t, max(mem, 1)
+        rows.append((name, t, t / base_t, mem / 1024, mem / base_m))
+    print(f"| operation | median s | × train fwd+bwd | peak MiB | × train peak |")
+    print(f"|---|---|---|---|---|")
+    for name, t, rt, m, rm in rows:
+        print(f"| {name} | {t:.3f} | {rt:.2f} | {m:.0f} | {rm:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
