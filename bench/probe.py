@@ -4,19 +4,16 @@
     python bench/probe.py --family basic --n 256 --repeats 5
 
 Each figure is the median over ``--repeats`` runs in this one process (ratios, not absolute
-times, are what transfer between machines). Peak memory is measured per operation in a
-fresh subprocess as the rise of the process's peak RSS over its baseline after the model and
-data exist.
+times, are what transfer between machines). Peak memory is the rise of the process's peak
+resident set (``VmHWM``, reset through ``/proc/self/clear_refs`` before each operation) over
+its resident set just before the operation (Linux only).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
-import resource
 import statistics
-import subprocess
 import sys
 import time
 
@@ -83,12 +80,24 @@ def timed(op, state, args):
     return statistics.median(times)
 
 
-def peak_memory_child(args):
-    state = build(args)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    OPS[args.memory_of](*state, args)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_kib": peak - base}))
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def peak_memory(op, state, args):
+    """KiB by which ``op`` raises the resident set above where it started."""
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    base = _status_kib("VmRSS")
+    op(*state, args)
+    return _status_kib("VmHWM") - base
 
 
 def main():
@@ -100,10 +109,7 @@ def main():
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--skip-naive", action="store_true")
-    p.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.memory_of:
-        return peak_memory_child(args)
 
     state = build(args)
     sites = len(state[0].sites())
@@ -114,9 +120,7 @@ def main():
     base_t = base_m = None
     for name in ops:
         t = timed(OPS[name], state, args)
-        cmd = [sys.executable, __file__, "--memory-of", name, "--blocks", *map(str, args.blocks), "--width", str(args.width),
-               "--family", args.family, "--n", str(args.n), "--batch", str(args.batch)]
-        mem = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])["peak_kib"]
+        mem = peak_memory(OPS[name], state, args)
         if name == "train_step":
             base_t, base_m = t, max(mem, 1)
         rows.append((name, t, t / base_t, mem / 1024, mem / base_m))
