@@ -1,0 +1,547 @@
+"""A growth decision with real power: the cross-fit directional test (``rule="crossfit"``).
+
+Why. The paper's rule (Proposition 1) grows only when ``Γ̂_n > δ + t`` with
+``t = sqrt(Σ_l σ̂²_l / (n α))``. ``σ̂²_l`` is the *total* variance of a p-dimensional
+per-sample gradient, so ``t`` is the noise norm of ``ĝ`` inflated by ``sqrt(K/α)``: the rule
+needs ``‖g‖ ≳ sqrt(K/α) · σ/√n`` and practically never grows (DESIGN.md §2,
+``docs/power.md``). A test about the *length of a mean vector* only needs the noise along one
+direction.
+
+The rule. Split the probe sample, in loader order, into ``A`` = the first ``⌈n/2⌉`` samples
+and ``B`` = the rest. For every site ``l``:
+
+* ``u_l = ĝ_l(A) / ‖ĝ_l(A)‖`` (the mean per-sample gradient on ``A``, normalised);
+* on ``B`` only the per-sample scalars ``s_j = ξ_j · u_l`` are kept (no per-sample gradients).
+  Given ``A`` they are i.i.d. with mean ``g_l · u_l ≤ ‖g_l‖`` (Cauchy–Schwarz), ``g_l`` the
+  population gradient;
+* a one-sided lower confidence bound on that mean, at level ``a = α/K`` (Bonferroni over the
+  ``K`` sites), with ``m = |B|``, ``s̄`` the mean and ``sd`` the sample standard deviation
+  (``ddof = 1``):
+
+  - ``bound="normal"`` (default): ``s̄ − z_{1−a} · sd/√m`` (central limit theorem);
+  - ``bound="cantelli"``: ``s̄ − sd · sqrt((1 − a)/(a m))``, the one-sided Chebyshev
+    (Cantelli) inequality for the mean of ``m`` i.i.d. scalars. It needs no distributional
+    assumption except that it plugs the *sample* sd in for the true one, so it is
+    distribution-free only up to that variance estimate.
+
+  If ``ĝ_l(A) = 0`` the direction is undefined and the bound is ``−∞``.
+
+Decision: grow iff some site's lower bound exceeds ``δ``; the site with the largest lower bound
+is the one to grow. Under ``H0: max_l ‖g_l‖ ≤ δ`` the probability of growing is ≤ ``α`` (exactly
+for Cantelli up to the variance estimate, asymptotically for the normal bound). The cost is
+the same single probe pass; on ``B`` it keeps ``|B|`` floats per site.
+
+Streaming (``CrossFitState``). ``measure_saturation`` feeds every batch's per-sample
+gradients in loader order; ``A`` comes first, so ``u_l`` is complete when ``B`` starts, and a
+batch that straddles the boundary is split inside. The candidate blocks' BatchNorm statistics
+are calibrated on ``A`` only (``first_half``), so given ``A`` the scored block and ``u_l`` are
+fixed and ``B`` is fresh data: the conditional i.i.d. argument holds exactly. That needs the
+probe loader to yield the same order on both passes (no reshuffling; a warning says so).
+
+DDP. With ``sync_fn`` (a sum over ranks) each rank splits *its own* shard in two; at its A/B
+boundary every rank all-reduces its ``Σ_{i∈A} ξ_i`` (one call per site, in site order), so all
+ranks share ``u_l``; at the end the ``B`` counts, sums and centred sums of squares are
+all-reduced too. Requirement: every rank must reach its A/B boundary (each shard needs a
+non-empty ``A`` and ``B``) and issue no other collective in between. ``DistributedSampler``'s
+equal shards with equal batch sizes make every rank reach it at the same batch; unequal shards
+work too (a rank that gets there first waits inside the all-reduce), as the tests check.
+
+Repeated checks (``alpha_schedule``). A training run checks many times. ``α_k`` is the level of
+check ``k = 0, 1, 2, …``:
+
+* ``"geometric"`` (default): ``α_k = α · 2^-(k+1)``, ``Σ_k α_k ≤ α``: a run-level guarantee
+  (probability of any false growth ≤ α) whatever happens after a decision;
+* ``"inverse_square"``: ``α_k = α · 6/(π² (k+1)²)``, also ``Σ_k α_k ≤ α``, but decays
+  polynomially, so late checks keep more power than with ``"geometric"``;
+* ``"constant"``: ``α_k = α``: each check is a level-α test, no run-level guarantee in
+  general. When the run *stops at the first "saturated"* (``on_saturated="stop"``), the checks
+  form a fixed-sequence procedure (test in order, stop at the first non-rejection): a false
+  growth can only start at the first check where the network is saturated, so the chance of
+  any false growth is still ≤ α.
+  Both arguments assume each check's probe sample is independent of the network being tested;
+  a probe set reused across checks leaks the few bits of earlier decisions into the network.
+
+The debiased statistic (not wired into ``measure_saturation``). ``debiased_norm_sq`` is
+``‖ĝ‖² − σ̂²/n = Σ_{i≠j} ξ_i·ξ_j / (n(n−1))``, unbiased for ``‖g‖²``; ``chen_qin_test``
+tests ``H0: ‖g‖ ≤ δ`` with a Chen & Qin (2010)-style variance ``2 tr(Σ²)/(n(n−1))``
+(+ ``4 δ² λ_max(Σ)/n`` for ``δ > 0``). Its variance needs ``tr(Σ²)``, i.e. per-sample inner
+products ``ξ_i · ξ_j`` — a Gram matrix, ``O(n² p)`` — which a streamed probe pass does not keep;
+it is used on the planted problem of ``bench/power.py``.
+
+Pure tensor functions first; ``CrossFitState`` only holds the streamed state.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import warnings
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
+
+import torch
+
+__all__ = [
+    "BOUNDS",
+    "SCHEMES",
+    "normal_quantile",
+    "cantelli_factor",
+    "crossfit_lower_bound",
+    "crossfit_from_samples",
+    "debiased_norm_sq",
+    "trace_sq_estimate",
+    "chen_qin_z",
+    "chen_qin_test",
+    "ChenQin",
+    "alpha_schedule",
+    "probe_size",
+    "CrossFitState",
+]
+
+BOUNDS = ("normal", "cantelli")
+SCHEMES = ("geometric", "inverse_square", "constant")
+TRACE_METHODS = ("full", "pairs")
+
+
+# -- argument checks -------------------------------------------------------------------------
+def _check_level(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < 1):
+        raise ValueError(f"{name}: expected a probability in (0, 1), e.g. 0.05, got {value!r}")
+    return float(value)
+
+
+def _check_bound(bound) -> str:
+    if bound not in BOUNDS:
+        raise ValueError(f"bound: expected one of {BOUNDS}, got {bound!r}")
+    return bound
+
+
+def _check_delta(delta) -> float:
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not math.isfinite(delta) or delta < 0:
+        raise ValueError(f"delta: expected a finite number ≥ 0, got {delta!r}")
+    return float(delta)
+
+
+# -- the cross-fit lower bound ---------------------------------------------------------------
+def normal_quantile(p: float) -> float:
+    """``z_p = Φ^{-1}(p)`` of the standard normal."""
+    return statistics.NormalDist().inv_cdf(_check_level(p, "p"))
+
+
+def cantelli_factor(a: float, m: int) -> float:
+    """``sqrt((1 − a)/(a m))``: Cantelli's one-sided bound for a mean of ``m`` i.i.d. scalars.
+
+    ``P(s̄ − μ ≥ λ) ≤ σ²/(σ² + mλ²)``; setting the right side to ``a`` gives
+    ``λ = σ · sqrt((1 − a)/(a m))``.
+    """
+    a = _check_level(a, "a")
+    if int(m) < 1:
+        raise ValueError(f"m: expected a sample count ≥ 1, got {m!r}")
+    return math.sqrt((1.0 - a) / (a * int(m)))
+
+
+def _bound_factor(level: float, m: int, bound: str) -> float:
+    """Multiplier of ``sd`` in the lower bound ``s̄ − factor · sd``."""
+    if bound == "normal":
+        return normal_quantile(1.0 - level) / math.sqrt(m)
+    return cantelli_factor(level, m)
+
+
+def crossfit_lower_bound(s: torch.Tensor, level: float, bound: str = "normal"):
+    """One-sided lower confidence bound at ``level`` on the mean of the i.i.d. scalars ``s``.
+
+    s: ``(m,)`` or ``(..., m)`` (a batch of independent samples, e.g. Monte Carlo draws).
+    Returns a float for a 1-D ``s``, else a float64 tensor of shape ``s.shape[:-1]``.
+    ``bound="normal"``: ``s̄ − z_{1−level} · sd/√m``;
+    ``"cantelli"``: ``s̄ − sd · sqrt((1−level)/(level·m))``.
+    """
+    level = _check_level(level, "level")
+    bound = _check_bound(bound)
+    if not isinstance(s, torch.Tensor) or s.dim() == 0:
+        raise TypeError(f"s: expected a tensor of per-sample scalars with shape (..., m), got {type(s).__name__}")
+    m = s.shape[-1]
+    if m < 2:
+        raise ValueError(f"s: a lower bound needs at least 2 samples for the standard deviation, got {m}")
+    s = s.double()
+    lower = s.mean(-1) - _bound_factor(level, m, bound) * s.std(-1, correction=1)
+    return float(lower) if lower.dim() == 0 else lower
+
+
+def crossfit_from_samples(xi: torch.Tensor, level: float, bound: str = "normal") -> torch.Tensor:
+    """The cross-fit lower bound from one site's per-sample gradients, in sample order.
+
+    xi: ``(..., n, p)``; ``A`` = the first ``⌈n/2⌉`` samples, ``B`` the rest. Returns
+    ``(...)`` float64 (``−∞`` where ``ĝ(A) = 0``). The same computation as ``CrossFitState``,
+    for in-memory samples (tests, the power study).
+    """
+    n = xi.shape[-2]
+    if n < 4:
+        raise ValueError(f"xi: the cross-fit split needs n ≥ 4 samples (2 per half), got {n}")
+    n_a = math.ceil(n / 2)
+    xi = xi.double()
+    sum_a = xi[..., :n_a, :].sum(-2)  # (..., p)
+    norm = sum_a.norm(dim=-1, keepdim=True)
+    u = sum_a / torch.where(norm > 0, norm, torch.ones_like(norm))
+    s = (xi[..., n_a:, :] @ u.unsqueeze(-1)).squeeze(-1)  # (..., n_b)
+    lower = torch.as_tensor(crossfit_lower_bound(s, level, bound), dtype=torch.float64)
+    return torch.where(norm.squeeze(-1) > 0, lower, torch.full_like(lower, -math.inf))
+
+
+# -- the debiased statistic and a Chen–Qin-style test ----------------------------------------
+def debiased_norm_sq(xi: torch.Tensor) -> torch.Tensor:
+    """``‖ĝ‖² − σ̂²/n = Σ_{i≠j} ξ_i·ξ_j / (n(n−1))``, unbiased for ``‖g‖²``.
+
+    xi: ``(..., n, p)`` per-sample gradients. Returns ``(...)`` float64; may be negative.
+    """
+    n = xi.shape[-2]
+    if n < 2:
+        raise ValueError(f"xi: the debiased statistic needs n ≥ 2 samples, got {n}")
+    xi = xi.double()
+    total = xi.sum(-2).pow(2).sum(-1)  # ‖Σ ξ_i‖²
+    diag = xi.pow(2).sum((-2, -1))  # Σ ‖ξ_i‖²
+    return (total - diag) / (n * (n - 1))
+
+
+def _centred_gram_stats(xi: torch.Tensor):
+    """``(tr S, tr S², Q, λ_max(S))`` of the sample covariance ``S`` from the smaller Gram side."""
+    n, p = xi.shape[-2], xi.shape[-1]
+    xc = xi - xi.mean(-2, keepdim=True)  # (..., n, p)
+    gram = xc @ xc.transpose(-1, -2) if n <= p else xc.transpose(-1, -2) @ xc  # (..., r, r)
+    row_sq = xc.pow(2).sum(-1)  # (..., n): ‖ξ_i − ξ̄‖²
+    tr_s = row_sq.sum(-1) / (n - 1)
+    tr_s2 = gram.pow(2).sum((-2, -1)) / (n - 1) ** 2
+    q = row_sq.pow(2).sum(-1) / (n - 1)
+    lam_max = torch.linalg.eigvalsh(gram)[..., -1] / (n - 1)
+    return tr_s, tr_s2, q, lam_max
+
+
+def trace_sq_estimate(xi: torch.Tensor, method: str = "full", block: int = 32) -> torch.Tensor:
+    """An unbiased estimate of ``tr(Σ²)``, ``Σ`` the covariance of the per-sample gradients.
+
+    xi: ``(..., n, p)``. Returns ``(...)`` float64.
+
+    ``method="full"``: the order-4 U-statistic ``¼ · mean_{i,j,k,l distinct}
+    ((ξ_i − ξ_j)·(ξ_k − ξ_l))²`` (invariant to the mean ``g``), in the closed form of Himeno &
+    Yamada (2014): ``(n−1)/(n(n−2)(n−3)) · ((n−1)(n−2) tr S² + (tr S)² − n Q)`` with
+    ``Q = Σ_i ‖ξ_i − ξ̄‖⁴/(n−1)``; ``O(n p · min(n, p))``, needs ``n ≥ 4``. Chen & Qin's own
+    leave-two-out estimator is a close variant (ratio-consistent; not exactly unbiased when
+    ``g ≠ 0``).
+    ``method="pairs"``: an incomplete U-statistic, ``O(block · n p)``: the differences
+    ``d_k = (ξ_{2k} − ξ_{2k+1})/√2`` are i.i.d. with mean 0 and covariance ``Σ``, so
+    ``E (d_k·d_l)² = tr Σ²`` for ``k ≠ l``; it averages ``(d_k·d_l)²`` over all pairs
+    ``k < l`` inside consecutive blocks of ``block`` differences (needs ``n ≥ 4``). Computed
+    in ``xi``'s floating dtype (float32 is fine for the products), summed in float64.
+    """
+    if method not in TRACE_METHODS:
+        raise ValueError(f"method: expected one of {TRACE_METHODS}, got {method!r}")
+    n = xi.shape[-2]
+    if n < 4:
+        raise ValueError(f"xi: a tr(Σ²) estimate needs n ≥ 4 samples, got {n}")
+    if method == "full":
+        tr_s, tr_s2, q, _ = _centred_gram_stats(xi.double())
+        return (n - 1) / (n * (n - 2) * (n - 3)) * ((n - 1) * (n - 2) * tr_s2 + tr_s.pow(2) - n * q)
+    if isinstance(block, bool) or not isinstance(block, int) or block < 2:
+        raise ValueError(f"block: expected an int ≥ 2 (differences per block), got {block!r}")
+    if not xi.is_floating_point() or torch.finfo(xi.dtype).bits < 32:
+        xi = xi.float()
+    m = n // 2
+    d = (xi[..., 0 : 2 * m : 2, :] - xi[..., 1 : 2 * m : 2, :]) / math.sqrt(2.0)  # (..., m, p)
+    total = torch.zeros(d.shape[:-2], dtype=torch.float64, device=d.device)
+    count = 0
+    full, rest = divmod(m, block)
+    chunks = [(d[..., : full * block, :].reshape(*d.shape[:-2], full, block, d.shape[-1]), block)] if full else []
+    if rest >= 2:
+        chunks.append((d[..., full * block :, :].unsqueeze(-3), rest))
+    for chunk, b in chunks:  # (..., blocks, b, p)
+        gram = (chunk @ chunk.transpose(-1, -2)).double()  # (..., blocks, b, b)
+        off = gram.pow(2).sum((-2, -1)) - gram.diagonal(dim1=-2, dim2=-1).pow(2).sum(-1)  # Σ_{k≠l}
+        total = total + off.sum(-1) / 2
+        count += chunk.shape[-3] * b * (b - 1) // 2
+    return total / count
+
+
+def chen_qin_z(
+    statistic: torch.Tensor,
+    trace_sq: torch.Tensor,
+    n: int,
+    delta: float = 0.0,
+    lam_max: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``z = (T − δ²)/sd`` with ``sd² = 2 tr(Σ²)/(n(n−1)) + 4 δ² λ_max/n``.
+
+    ``T`` is ``debiased_norm_sq``. Under ``‖g‖ = δ``, ``Var T = 2 tr(Σ²)/(n(n−1)) + 4 gᵀΣg/n``
+    and ``gᵀΣg ≤ δ² λ_max(Σ)``; ``λ_max`` of the sample covariance is biased upwards in high
+    dimension (and on average by convexity), which errs on the conservative side. For
+    ``δ = 0`` it is Chen & Qin's statistic.
+    """
+    delta = _check_delta(delta)
+    var = 2.0 * torch.as_tensor(trace_sq, dtype=torch.float64).clamp_min(0) / (n * (n - 1))
+    if delta > 0:
+        if lam_max is None:
+            raise ValueError("lam_max: needed for delta > 0 (the variance term 4 δ² gᵀΣg/n)")
+        var = var + 4.0 * delta**2 * torch.as_tensor(lam_max, dtype=torch.float64).clamp_min(0) / n
+    sd = var.sqrt()
+    excess = torch.as_tensor(statistic, dtype=torch.float64) - delta**2
+    tiny = torch.finfo(torch.float64).tiny
+    return torch.where(sd > 0, excess / sd.clamp_min(tiny), torch.sign(excess) * math.inf)
+
+
+class ChenQin(NamedTuple):
+    statistic: torch.Tensor  # T = Σ_{i≠j} ξ_i·ξ_j/(n(n−1)), unbiased for ‖g‖²
+    trace_sq: torch.Tensor  # estimate of tr(Σ²)
+    z: torch.Tensor  # (T − δ²)/sd
+    reject: torch.Tensor  # z > z_{1−α}: evidence that ‖g‖ > δ (grow)
+
+
+def chen_qin_test(
+    xi: torch.Tensor, delta: float = 0.0, alpha: float = 0.05, *, trace: str = "full", block: int = 32
+) -> ChenQin:
+    """One-sided test of ``H0: ‖g‖ ≤ δ`` from per-sample gradients ``xi: (..., n, p)``.
+
+    Rejects (grow) when ``z = (T − δ²)/sd > z_{1−α}`` (normal approximation, valid as
+    ``n, p → ∞`` under Chen & Qin's conditions). Per site at level ``α/K`` for ``K`` sites.
+    """
+    alpha = _check_level(alpha, "alpha")
+    delta = _check_delta(delta)
+    n = xi.shape[-2]
+    statistic = debiased_norm_sq(xi)
+    trace_sq = trace_sq_estimate(xi, trace, block)
+    lam_max = _centred_gram_stats(xi.double())[3] if delta > 0 else None
+    z = chen_qin_z(statistic, trace_sq, n, delta, lam_max)
+    return ChenQin(statistic, trace_sq, z, z > normal_quantile(1.0 - alpha))
+
+
+# -- spending α over repeated checks ---------------------------------------------------------
+def alpha_schedule(alpha: float, k: int, scheme: str = "geometric") -> float:
+    """The level of check ``k`` (``k = 0, 1, 2, …``) of a run with overall level ``alpha``.
+
+    ``"geometric"``: ``α·2^-(k+1)``; ``"inverse_square"``: ``α·6/(π²(k+1)²)`` (both sum to
+    ≤ α over all checks); ``"constant"``: ``α`` (see the module docstring for when that is
+    enough).
+    """
+    alpha = _check_level(alpha, "alpha")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"k: expected the check index, an int ≥ 0, got {k!r}")
+    if scheme == "geometric":
+        return alpha * 2.0 ** -(k + 1)
+    if scheme == "inverse_square":
+        return alpha * 6.0 / (math.pi**2 * (k + 1) ** 2)
+    if scheme == "constant":
+        return alpha
+    raise ValueError(f"scheme: expected one of {SCHEMES}, got {scheme!r}")
+
+
+# -- streamed state for measure_saturation ---------------------------------------------------
+def _check_size(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 4:
+        raise ValueError(f"probe_size: expected the number of probe samples on this rank (an int ≥ 4), got {n!r}")
+    return n
+
+
+def probe_size(loader, n: int | None = None) -> int:
+    """How many samples ``loader`` yields on this rank: ``n`` if given, else from its sampler
+    (a ``DataLoader``; per-rank with ``DistributedSampler``), ``len(loader.dataset)``, or the
+    batch sizes of a list/tuple of batches."""
+    if n is not None:
+        return _check_size(n)
+    if isinstance(loader, (list, tuple)):
+        return sum(_batch_size(batch) for batch in loader)
+    if isinstance(loader, torch.utils.data.DataLoader) and loader.batch_size is not None:
+        try:
+            if loader.drop_last:
+                return len(loader) * loader.batch_size
+            return len(loader.sampler)
+        except TypeError:  # an IterableDataset without __len__
+            pass
+    dataset = getattr(loader, "dataset", None)
+    try:
+        return len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        pass
+    raise TypeError(
+        f"probe_loader: rule='crossfit' splits the probe sample into its first ⌈n/2⌉ samples and the "
+        f"rest, so it must know n before the pass, but a {type(loader).__name__} has no sized sampler "
+        "or dataset and is not a list of batches. Pass probe_size=<number of probe samples on this rank> "
+        "or use a sized DataLoader."
+    )
+
+
+def _head(obj, k: int):
+    """The first ``k`` samples of a batch (tensors, tuples/lists, mappings of them)."""
+    if isinstance(obj, torch.Tensor):
+        return obj[:k]
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_head(o, k) for o in obj)
+    if isinstance(obj, Mapping):
+        return {key: _head(v, k) for key, v in obj.items()}
+    return obj
+
+
+def _batch_size(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return int(obj.shape[0])
+    if isinstance(obj, (list, tuple)):
+        return _batch_size(obj[-1])  # (input, target): the target's length
+    if isinstance(obj, Mapping):
+        return _batch_size(next(iter(obj.values())))
+    raise TypeError(f"probe_loader: cannot tell the batch size of a {type(obj).__name__}")
+
+
+class CrossFitState:
+    """Streamed cross-fit state of ``K`` sites over a probe sample of ``n`` samples (this rank).
+
+    ``update(j, xi, offset)`` for every batch and site, in loader order; then ``apply``.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        K: int,
+        *,
+        sync_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        bound: str = "normal",
+    ):
+        self.n = _check_size(n)
+        self.n_a = math.ceil(self.n / 2)
+        self.K = int(K)
+        self.sync_fn = sync_fn
+        self.bound = _check_bound(bound)
+        self._sum_a: list[torch.Tensor | None] = [None] * self.K  # Σ_{i∈A} ξ_i (float64)
+        self._u: list[torch.Tensor | None] = [None] * self.K  # unit direction; None until A is done
+        self._defined = [False] * self.K  # ĝ(A) ≠ 0
+        self._done_a = [False] * self.K
+        self._s: list[list[torch.Tensor]] = [[] for _ in range(self.K)]  # per-sample scalars on B
+        self._seen = [0] * self.K
+
+    @classmethod
+    def for_loader(
+        cls,
+        loader: Iterable,
+        K: int,
+        *,
+        sync_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        n: int | None = None,
+        bound: str = "normal",
+        alpha: float | None = None,
+    ) -> "CrossFitState":
+        """State sized from the loader (or the ``n`` hint); checks ``bound`` and ``alpha`` early."""
+        if alpha is not None:
+            _check_level(alpha, "alpha")
+        _check_bound(bound)
+        data = torch.utils.data
+        if isinstance(loader, data.DataLoader) and isinstance(loader.sampler, data.RandomSampler):
+            warnings.warn(
+                "probe_loader: it reshuffles on every pass, so the BatchNorm calibration's half A is not the probe "
+                "pass's half A; give the probe loader a fixed order (shuffle=False)",
+                stacklevel=3,
+            )
+        return cls(probe_size(loader, n), K, sync_fn=sync_fn, bound=bound)
+
+    def first_half(self, loader: Iterable) -> Iterator:
+        """The batches of ``loader`` cut to its first ``⌈n/2⌉`` samples (``A``), e.g. to
+        calibrate the candidates' BatchNorm statistics on ``A`` only."""
+        seen = 0
+        for batch in loader:
+            if seen >= self.n_a:
+                break
+            size = _batch_size(batch)
+            yield batch if seen + size <= self.n_a else _head(batch, self.n_a - seen)
+            seen += size
+
+    def update(self, j: int, xi: torch.Tensor, offset: int) -> None:
+        """Site ``j``'s per-sample gradients ``xi: (B, …)`` of samples ``offset … offset+B−1``."""
+        xi = xi.detach().flatten(1)  # (B, p)
+        size = xi.shape[0]
+        if offset != self._seen[j]:
+            raise RuntimeError(f"crossfit: site {j} got samples from offset {offset}, expected {self._seen[j]}")
+        self._seen[j] += size
+        k = min(max(self.n_a - offset, 0), size)  # how many of this batch belong to A
+        if k > 0:
+            part = xi[:k].sum(0, dtype=torch.float64)  # (p,)
+            self._sum_a[j] = part if self._sum_a[j] is None else self._sum_a[j] + part
+        if not self._done_a[j] and offset + size >= self.n_a:
+            self._finish_a(j)
+        if k < size and self._defined[j]:
+            self._s[j].append((xi[k:] @ self._u[j].to(xi.dtype)).double())  # (B − k,)
+
+    def _finish_a(self, j: int) -> None:
+        total = self._sum_a[j]
+        if self.sync_fn is not None:
+            total = self.sync_fn(total)
+        norm = total.norm()
+        self._defined[j] = bool(norm > 0)
+        self._u[j] = total / norm if self._defined[j] else None
+        self._done_a[j] = True
+
+    def lower_bounds(self, alpha: float) -> tuple[list[float], dict]:
+        """Per-site lower bounds at level ``alpha/K`` and the figures behind them.
+
+        With ``sync_fn`` it all-reduces (twice, in the same order on every rank).
+        """
+        alpha = _check_level(alpha, "alpha")
+        level = alpha / self.K
+        if not all(self._done_a):
+            raise ValueError(
+                f"probe_loader: it yielded {min(self._seen)} samples on this rank, but the cross-fit split "
+                f"expected n={self.n} (A = the first {self.n_a}); pass probe_size=<the true count>"
+            )
+        if any(seen != self.n for seen in self._seen):
+            warnings.warn(
+                f"crossfit: the probe loader yielded {self._seen[0]} samples, not the expected n={self.n}; "
+                f"A is the first {self.n_a} of them, B the other {self._seen[0] - self.n_a}",
+                stacklevel=3,
+            )
+        s_all = [torch.cat(s) if s else torch.zeros(0, dtype=torch.float64) for s in self._s]
+        device = self._sum_a[0].device
+        s_all = [s.to(device) for s in s_all]
+        n_a = torch.tensor(float(min(self.n_a, self._seen[0])), dtype=torch.float64, device=device)
+        n_b = torch.tensor(float(self._seen[0] - self.n_a), dtype=torch.float64, device=device)
+        sums = torch.stack([s.sum() for s in s_all] + [n_a, n_b])  # (K + 2,)
+        if self.sync_fn is not None:
+            sums = self.sync_fn(sums)
+        n_a, n_b = int(sums[-2].item()), int(sums[-1].item())
+        if n_b < 2:
+            raise ValueError(f"crossfit: half B has {n_b} sample(s); it needs at least 2 (a probe sample of n ≥ 4)")
+        means = sums[:-2] / n_b
+        ss = torch.stack([(s - mu).pow(2).sum() for s, mu in zip(s_all, means)])  # centred Σ(s − s̄)²
+        if self.sync_fn is not None:
+            ss = self.sync_fn(ss)
+        sds = (ss / (n_b - 1)).sqrt()
+        factor = _bound_factor(level, n_b, self.bound)
+        lowers = [
+            float(mu - factor * sd) if defined else -math.inf
+            for mu, sd, defined in zip(means.tolist(), sds.tolist(), self._defined)
+        ]
+        info = {"level": level, "bound_kind": self.bound, "n_a": n_a, "n_b": n_b, "factor": factor}
+        return lowers, info
+
+    def apply(self, report, *, delta: float, alpha: float) -> None:
+        """Set every record's ``lower`` and the report's cross-fit decision (paper figures stay)."""
+        delta = _check_delta(delta)
+        lowers, info = self.lower_bounds(alpha)
+        if info["n_a"] + info["n_b"] != report.n:
+            raise RuntimeError(
+                f"crossfit: it saw {info['n_a'] + info['n_b']} probe samples, the report counts {report.n}"
+            )
+        for record, lower in zip(report.sites, lowers):
+            record.lower = lower
+        best = max(range(len(lowers)), key=lambda j: lowers[j])
+        best_name, best_lower = report.sites[best].name, lowers[best]
+        grow = best_lower > delta
+        paper = "saturated" if report.saturated else "grow"
+        report.rule = "crossfit"
+        report.saturated = not grow
+        report.best_site = best_name if grow else None
+        verdict = f"grow: lower bound {best_lower:.4g} at {best_name} > δ={delta:.4g}"
+        report.reason = (
+            verdict if grow else f"saturated: max lower bound {best_lower:.4g} (at {best_name}) ≤ δ={delta:.4g}"
+        ) + f" ({info['bound_kind']} bound, level α/K={info['level']:.3g}, |A|={info['n_a']}, |B|={info['n_b']})"
+        report.extra = {
+            **report.extra,
+            "level": info["level"],
+            "bound_kind": info["bound_kind"],
+            "n_a": info["n_a"],
+            "n_b": info["n_b"],
+            "max_lower": best_lower,
+            "lower_site": best_name,
+            "paper_decision": paper,
+        }

@@ -1,0 +1,507 @@
+"""The cross-fit growth decision (growtrain.crossfit): math, streaming, size under H0, power.
+
+Oracles are independent: numpy/scipy recompute the cross-fit bound from per-sample gradients
+(computed here by hand for a linear-feature block, or by real insertion + per-sample autograd
+in tests/helpers.py); the planted problems draw per-sample gradients ``ξ_i = g + noise`` with a
+known population gradient ``g``. Size checks: the rate of "grow" under ``‖g‖ ≤ δ`` over ≥ 500
+independent probe draws must be ≤ α + 3·sqrt(α(1−α)/draws).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from torch import nn
+
+from growtrain import GrowableStack
+from growtrain.families.base import DenseFeatures
+from growtrain.crossfit import (
+    CrossFitState,
+    alpha_schedule,
+    cantelli_factor,
+    chen_qin_test,
+    crossfit_from_samples,
+    crossfit_lower_bound,
+    debiased_norm_sq,
+    normal_quantile,
+    trace_sq_estimate,
+)
+from growtrain.saturation import calibrate_candidates, candidate_blocks, measure_saturation
+
+ALPHA = 0.05
+
+
+def size_limit(alpha: float, draws: int) -> float:
+    return alpha + 3 * math.sqrt(alpha * (1 - alpha) / draws)
+
+
+# -- independent numpy oracle ------------------------------------------------------------------
+def np_crossfit(xi: np.ndarray, level: float, bound: str) -> float:
+    """u from the first ⌈n/2⌉ rows, s on the rest, mean/sd/quantile by numpy and scipy."""
+    xi = np.asarray(xi, dtype=np.float64).reshape(xi.shape[0], -1)
+    n_a = -(-xi.shape[0] // 2)
+    g_a = xi[:n_a].mean(0)
+    if not np.any(g_a):
+        return -math.inf
+    s = xi[n_a:] @ (g_a / np.linalg.norm(g_a))
+    m, mean, sd = len(s), s.mean(), s.std(ddof=1)
+    if bound == "normal":
+        return mean - stats.norm.ppf(1 - level) * sd / math.sqrt(m)
+    return mean - sd * math.sqrt((1 - level) / (level * m))
+
+
+# -- pure functions --------------------------------------------------------------------------
+def test_quantile_and_cantelli_factor():
+    for p in (0.5, 0.9, 0.975, 1 - 0.05 / 13, 1e-4):
+        assert normal_quantile(p) == pytest.approx(stats.norm.ppf(p), rel=1e-9, abs=1e-12)
+    a, m = 0.05 / 13, 1000
+    assert cantelli_factor(a, m) == pytest.approx(math.sqrt((1 - a) / (a * m)))
+    # Cantelli is valid for any distribution: check it against its worst case (a two-point law)
+    # for m = 1: P(X − μ ≥ λσ) ≤ 1/(1 + λ²) with equality attainable.
+    lam = cantelli_factor(a, 1)
+    assert 1 / (1 + lam**2) == pytest.approx(a)
+
+
+@pytest.mark.parametrize("bound", ["normal", "cantelli"])
+def test_lower_bound_matches_scipy(bound):
+    gen = torch.Generator().manual_seed(0)
+    s = torch.randn(5, 37, generator=gen, dtype=torch.float64) + 0.3
+    for row in s:
+        x = row.numpy()
+        level = 0.01
+        if bound == "normal":
+            expected = x.mean() - stats.norm.ppf(1 - level) * x.std(ddof=1) / math.sqrt(len(x))
+        else:
+            expected = x.mean() - x.std(ddof=1) * math.sqrt((1 - level) / (level * len(x)))
+        got = crossfit_lower_bound(row, level, bound)
+        assert isinstance(got, float)
+        assert got == pytest.approx(expected, rel=1e-12)
+    batched = crossfit_lower_bound(s, 0.01, bound)
+    assert batched.shape == (5,)
+    assert torch.allclose(batched, torch.tensor([crossfit_lower_bound(r, 0.01, bound) for r in s], dtype=torch.float64))
+
+
+# -- the streamed state equals the independent computation -------------------------------------
+def fake_report(names, n, saturated=True):
+    return SimpleNamespace(
+        sites=[SimpleNamespace(name=name, lower=None) for name in names],
+        n=n,
+        saturated=saturated,
+        best_site=None,
+        rule="paper",
+        reason="",
+        extra={},
+    )
+
+
+@pytest.mark.parametrize("bound", ["normal", "cantelli"])
+def test_streamed_state_equals_numpy(bound):
+    gen = torch.Generator().manual_seed(1)
+    n, batch = 37, 8  # A = first 19 samples: the boundary falls inside the third batch
+    xis = [
+        torch.randn(n, 2, 3, generator=gen, dtype=torch.float64) + 0.4,  # a site with signal
+        torch.randn(n, 5, generator=gen, dtype=torch.float64),  # pure noise
+        torch.randn(n, 4, generator=gen, dtype=torch.float64) + torch.tensor([3.0, 0, 0, 0], dtype=torch.float64),
+    ]
+    state = CrossFitState(n, len(xis), bound=bound)
+    for offset in range(0, n, batch):
+        for j, xi in enumerate(xis):
+            state.update(j, xi[offset : offset + batch], offset)
+    report = fake_report(["s0", "s1", "s2"], n)
+    state.apply(report, delta=0.5, alpha=ALPHA)
+    level = ALPHA / 3
+    expected = [np_crossfit(xi.numpy(), level, bound) for xi in xis]
+    assert [r.lower for r in report.sites] == pytest.approx(expected, rel=1e-10)
+    # the pure in-memory version agrees too
+    for xi, e in zip(xis, expected):
+        assert float(crossfit_from_samples(xi.flatten(1), level, bound)) == pytest.approx(e, rel=1e-10)
+    best = int(np.argmax(expected))
+    assert report.rule == "crossfit"
+    assert report.saturated == (expected[best] <= 0.5)
+    assert report.best_site == (None if report.saturated else f"s{best}")
+    assert report.extra["level"] == pytest.approx(level)
+    assert (report.extra["n_a"], report.extra["n_b"], report.extra["bound_kind"]) == (19, 18, bound)
+    assert report.extra["paper_decision"] == "saturated"
+
+
+def test_zero_direction_gives_minus_infinity():
+    xi = torch.zeros(10, 3, dtype=torch.float64)
+    xi[5:] = torch.randn(5, 3, dtype=torch.float64)  # B has data, A's mean is exactly 0
+    state = CrossFitState(10, 1)
+    state.update(0, xi, 0)
+    report = fake_report(["s0"], 10, saturated=False)
+    state.apply(report, delta=0.0, alpha=ALPHA)
+    assert report.sites[0].lower == -math.inf
+    assert report.saturated and report.best_site is None
+    assert report.extra["paper_decision"] == "grow"
+    assert float(crossfit_from_samples(xi, 0.05)) == -math.inf
+
+
+# -- planted linear-Gaussian problem: per-sample gradients drawn directly ------------------------
+def planted(draws, K, n, p, g, scales, seed):
+    """``ξ = g + ε``, ``ε ~ N(0, diag(scales²))``: ``(draws, K, n, p)``; ``g: (K, p)``."""
+    gen = torch.Generator().manual_seed(seed)
+    eps = torch.randn(draws, K, n, p, generator=gen, dtype=torch.float64) * scales
+    return g[None, :, None, :] + eps
+
+
+def decisions(xi, delta, alpha):
+    """Grow decisions ``(draws,)`` of each rule on planted per-sample gradients."""
+    draws, K, n, p = xi.shape
+    mean = xi.mean(2)  # (draws, K, p)
+    gamma = mean.norm(dim=-1).amax(1)
+    total_var = ((xi - mean[:, :, None]) ** 2).sum((2, 3)).sum(1) / (n - 1)
+    t = (total_var / (n * alpha)).sqrt()
+    out = {"paper": gamma > delta + t}
+    for bound in ("normal", "cantelli"):
+        lower = crossfit_from_samples(xi, alpha / K, bound)  # (draws, K)
+        out[f"crossfit-{bound}"] = (lower > delta).any(1)
+    return out
+
+
+NULL_CASES = {
+    # g = 0, δ = 0: the sharp null for the cross-fit test (E s = 0 exactly).
+    "zero": dict(g_norm=0.0, spiked=False),
+    # every site on the boundary ‖g_l‖ = δ, noise spiked along g (the least favourable direction).
+    "boundary": dict(g_norm=0.6, spiked=True),
+}
+
+
+@pytest.mark.parametrize("case", list(NULL_CASES))
+def test_planted_null_rate_at_most_alpha(case):
+    draws, K, n, p = 1000, 3, 120, 24
+    cfg = NULL_CASES[case]
+    scales = torch.ones(p, dtype=torch.float64)
+    if cfg["spiked"]:
+        scales[0] = 3.0
+    g = torch.zeros(K, p, dtype=torch.float64)
+    g[:, 0] = cfg["g_norm"]
+    delta = cfg["g_norm"]
+    grows = decisions(planted(draws, K, n, p, g, scales, 7), delta, ALPHA)
+    rates = {rule: float(d.double().mean()) for rule, d in grows.items()}
+    for rule, rate in rates.items():
+        assert rate <= size_limit(ALPHA, draws), (case, rule, rates)
+
+
+def test_planted_power_crossfit_beats_paper():
+    """A signal the paper's rule cannot see: ‖g‖ = 2 standard errors of ĝ (x = ‖g‖√n/σ = 2)."""
+    draws, K, n, p = 500, 3, 120, 24
+    scales = torch.ones(p, dtype=torch.float64)
+    sigma = math.sqrt(p)  # σ² = tr Σ
+    g = torch.zeros(K, p, dtype=torch.float64)
+    g[1, 3] = 2.0 * sigma / math.sqrt(n)
+    xi = planted(draws, K, n, p, g, scales, 11)
+    rates = {rule: float(d.double().mean()) for rule, d in decisions(xi, 0.0, ALPHA).items()}
+    assert rates["paper"] < 0.05, rates
+    assert rates["crossfit-normal"] > 0.9, rates
+    assert rates["crossfit-cantelli"] > rates["paper"], rates
+    cq = chen_qin_test(xi[:, 1], 0.0, ALPHA / K).reject.double().mean()
+    assert float(cq) > 0.9
+
+
+# -- the debiased statistic and the Chen–Qin-style test -----------------------------------------
+def test_debiased_norm_sq_identities():
+    gen = torch.Generator().manual_seed(3)
+    xi = torch.randn(9, 4, generator=gen, dtype=torch.float64) + 0.5
+    n = 9
+    g_hat = xi.mean(0)
+    sigma2 = ((xi - g_hat) ** 2).sum() / (n - 1)
+    pairs = sum(float(xi[i] @ xi[j]) for i in range(n) for j in range(n) if i != j) / (n * (n - 1))
+    assert float(debiased_norm_sq(xi)) == pytest.approx(float(g_hat @ g_hat - sigma2 / n), rel=1e-12)
+    assert float(debiased_norm_sq(xi)) == pytest.approx(pairs, rel=1e-12)
+
+
+def test_trace_estimates():
+    gen = torch.Generator().manual_seed(4)
+    # 'full' equals the brute-force order-4 U-statistic
+    xi = torch.randn(7, 5, generator=gen, dtype=torch.float64) * torch.rand(5, generator=gen, dtype=torch.float64) + 1.0
+    u4 = [float(((xi[i] - xi[j]) @ (xi[k] - xi[l])) ** 2) / 4 for i, j, k, l in itertools.permutations(range(7), 4)]
+    assert float(trace_sq_estimate(xi)) == pytest.approx(np.mean(u4), rel=1e-10)
+    # both are unbiased (Monte Carlo, with a non-zero mean)
+    scales = torch.tensor([2.0, 1.0, 1.0, 0.5, 0.1], dtype=torch.float64)
+    draws = torch.randn(4000, 16, 5, generator=gen, dtype=torch.float64) * scales + 3.0
+    truth = float((scales**4).sum())
+    for method in ("full", "pairs"):
+        est = trace_sq_estimate(draws, method, block=3)
+        se = float(est.std() / math.sqrt(len(est)))
+        assert abs(float(est.mean()) - truth) < 4 * se, method
+
+
+def test_chen_qin_null_rate():
+    draws, n, p = 600, 40, 300
+    gen = torch.Generator().manual_seed(5)
+    xi = torch.randn(draws, n, p, generator=gen, dtype=torch.float64)
+    rate = float(chen_qin_test(xi, 0.0, ALPHA).reject.double().mean())
+    assert rate <= size_limit(ALPHA, draws)
+    # boundary ‖g‖ = δ > 0 with the noise spiked along g
+    scales = torch.ones(p, dtype=torch.float64)
+    scales[0] = 4.0
+    delta = 0.8
+    xi = xi * scales
+    xi[..., 0] += delta
+    rate = float(chen_qin_test(xi, delta, ALPHA).reject.double().mean())
+    assert rate <= size_limit(ALPHA, draws)
+
+
+# -- α spending ------------------------------------------------------------------------------
+def test_alpha_schedule():
+    for scheme in ("geometric", "inverse_square"):
+        levels = [alpha_schedule(ALPHA, k, scheme) for k in range(200)]
+        assert sum(levels) <= ALPHA
+        assert all(a > b for a, b in zip(levels, levels[1:]))
+    assert alpha_schedule(ALPHA, 0) == pytest.approx(ALPHA / 2)
+    assert alpha_schedule(ALPHA, 3) == pytest.approx(ALPHA / 16)
+    assert alpha_schedule(ALPHA, 5, "constant") == ALPHA
+    with pytest.raises(ValueError, match="alpha"):
+        alpha_schedule(1.0, 0)
+    with pytest.raises(ValueError, match="scheme"):
+        alpha_schedule(ALPHA, 0, "bonferroni")
+    with pytest.raises(ValueError, match="k"):
+        alpha_schedule(ALPHA, -1)
+
+
+# -- end to end through measure_saturation --------------------------------------------------------
+D, H = 3, 2
+
+
+class LinearFeatures(nn.Module):
+    """``x + fc2(fc1 x)``: linear features, so the population gradient has a closed form."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(D, H)
+        self.fc2 = nn.Linear(H, D)
+
+    def forward(self, x):
+        return x + self.fc2(self.fc1(x))
+
+
+class FastLinearFeatures(LinearFeatures):
+    """The same block with the probe's fast dense form (``ξ = q [φ, 1]ᵀ``, no torch.func)."""
+
+    def terminal_parameters(self):
+        return [self.fc2.weight, self.fc2.bias]
+
+    def probe_features(self, z):
+        return DenseFeatures(self.fc1(z), bias=True)
+
+
+def fast_copies(cands):
+    out = {}
+    for name, adapter in cands.items():
+        out[name] = FastLinearFeatures().double()
+        out[name].load_state_dict(adapter.block.state_dict())
+    return out
+
+
+def zero_block():
+    block = LinearFeatures()
+    with torch.no_grad():
+        block.fc2.weight.zero_()
+        block.fc2.bias.zero_()
+    return block
+
+
+def identity_stack():
+    """One zero-output block (the network is the identity); sites blocks.0 and blocks.1."""
+    torch.manual_seed(0)
+    return GrowableStack([zero_block()], zero_block, ("fc2.weight", "fc2.bias")).double()
+
+
+def half_sq_loss(out, y):
+    return 0.5 * ((out - y) ** 2).sum(1).mean()
+
+
+def planted_data(draws, n, c, seed):
+    """``x ~ N(0, I)``, ``y = x + w − c``: the activation gradient is ``q = c − w`` at every site,
+    so with features ``φ = W₁x + b₁`` the population gradient is ``(c b₁ᵀ, c)``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(draws, n, D, generator=gen, dtype=torch.float64)
+    w = torch.randn(draws, n, D, generator=gen, dtype=torch.float64)
+    return x, x + w - torch.as_tensor(c, dtype=torch.float64)
+
+
+def by_hand_xi(block, x, y):
+    """Per-sample ``ξ_i = (q_i φ_iᵀ, q_i)`` of a candidate, ``q_i = x_i − y_i``: ``(n, D·H + D)``."""
+    q = x - y
+    phi = block.block.fc1(x).detach()
+    return torch.cat([(q[:, :, None] * phi[:, None, :]).flatten(1), q], dim=1)
+
+
+def batches_of(x, y, sizes):
+    out, start = [], 0
+    for size in sizes:
+        out.append((x[start : start + size], y[start : start + size]))
+        start += size
+    return out
+
+
+@pytest.mark.parametrize("bound", ["normal", "cantelli"])
+def test_end_to_end_null_rate(bound):
+    """g = 0 at every site (y = x + noise), δ = 0: both rules grow at rate ≤ α."""
+    draws, n = 500, 64
+    net = identity_stack()
+    cands = fast_copies(candidate_blocks(net, seed=0))  # the dense fast path: ~10 ms a call
+    xs, ys = planted_data(draws, n, torch.zeros(D), seed=21)
+    grows = {"paper": 0, "crossfit": 0}
+    for x, y in zip(xs, ys):
+        report = measure_saturation(
+            net, batches_of(x, y, (24, 24, 16)), half_sq_loss, rule="crossfit", crossfit_bound=bound,
+            candidates=cands, projected=False, probe_size=n,
+        )
+        grows["crossfit"] += not report.saturated
+        grows["paper"] += report.extra["paper_decision"] == "grow"
+    for rule, count in grows.items():
+        assert count / draws <= size_limit(ALPHA, draws), (rule, bound, grows)
+
+
+def test_end_to_end_lower_equals_oracle_and_grows_at_best_site():
+    n = 200
+    net = identity_stack()
+    cands = candidate_blocks(net, seed=0)
+    c = torch.tensor([0.0, 0.0, 0.5], dtype=torch.float64)
+    (x,), (y,) = planted_data(1, n, c, seed=3)
+    batches = batches_of(x, y, (64, 64, 64, 8))  # A = first 100: split inside the second batch
+    report = measure_saturation(net, batches, half_sq_loss, rule="crossfit", candidates=cands, projected=False)
+    assert report.n == n and report.rule == "crossfit"
+    level = ALPHA / 2
+    for record in report.sites:
+        xi = by_hand_xi(record.block, x, y)
+        assert record.lower == pytest.approx(np_crossfit(xi.numpy(), level, "normal"), rel=1e-9)
+    # population gradients ‖g_l‖ = ‖c‖ sqrt(‖b₁‖² + 1); the lower bound must not exceed them here
+    b1_sq = {name: float(b.block.fc1.bias.detach().pow(2).sum()) for name, b in cands.items()}
+    true = {name: float(c.norm()) * math.sqrt(v + 1) for name, v in b1_sq.items()}
+    assert all(r.lower <= true[r.name] for r in report.sites)
+    assert not report.saturated
+    assert report.best_site == max(report.sites, key=lambda r: r.lower).name
+    assert report.threshold > report.gamma  # the paper's rule, reported alongside, sees nothing
+    assert report.extra["paper_decision"] == "saturated"
+
+
+@pytest.mark.parametrize("kind", ["generic", "preact"])
+def test_end_to_end_net_matches_per_sample_autograd(kind):
+    """BatchNorm candidates: calibrated on half A only; lower = numpy on real-insertion ξ."""
+    from helpers import loss_fn, make_net, probe_batches, site_oracle
+
+    net = make_net(kind)
+    batches = probe_batches(kind, n=21, batch=8)  # A = first 11 samples
+    cands = candidate_blocks(net, seed=0)
+    reference = copy.deepcopy(cands)
+    calibrate_candidates(net, reference, [batches[0], (batches[1][0][:3], batches[1][1][:3])])
+    report = measure_saturation(net, batches, loss_fn, rule="crossfit", crossfit_bound="cantelli", candidates=cands)
+    for record in report.sites:
+        bns = [m for m in record.block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        ref_bns = [m for m in reference[record.name].modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        assert bns and len(bns) == len(ref_bns)
+        for bn, ref_bn in zip(bns, ref_bns):
+            assert torch.allclose(bn.running_mean, ref_bn.running_mean)
+            assert torch.allclose(bn.running_var, ref_bn.running_var)
+        oracle = site_oracle(net, record.site, record.block, batches)
+        expected = np_crossfit(oracle.xi.numpy(), ALPHA / len(report.sites), "cantelli")
+        assert record.lower == pytest.approx(expected, rel=1e-7, abs=1e-10)
+
+
+class ThreadSum:
+    """A stand-in for an all-reduce over ``world`` ranks that run as threads."""
+
+    def __init__(self, world: int):
+        self.barrier = threading.Barrier(world, timeout=60)
+        self.slots: list = [None] * world
+        self.calls = [0] * world
+
+    def for_rank(self, rank: int):
+        def sync(t: torch.Tensor) -> torch.Tensor:
+            self.calls[rank] += 1
+            self.slots[rank] = t.detach().clone()
+            self.barrier.wait()
+            out = torch.stack(self.slots).sum(0)
+            self.barrier.wait()
+            return out
+
+        return sync
+
+
+def test_ddp_two_ranks_match_union_of_per_rank_halves():
+    """Two ranks as threads with unequal shards (50 and 31 samples, as an unpadded sharding gives):
+    rank 1 reaches its A/B boundary one batch before rank 0 and waits there in the all-reduce."""
+    sizes, batch_sizes = (50, 31), ((16, 16, 16, 2), (16, 15))
+    world = len(sizes)
+    net = identity_stack()
+    cands = candidate_blocks(net, seed=0)
+    c = torch.tensor([0.3, 0.0, 0.0], dtype=torch.float64)
+    data = [planted_data(1, n, c, seed=9 + r) for r, n in enumerate(sizes)]
+    xs, ys = [d[0][0] for d in data], [d[1][0] for d in data]
+    sync = ThreadSum(world)
+    reports, errors = [None] * world, []
+    nets = [copy.deepcopy(net) for _ in range(world)]  # one replica per rank (hooks are per network)
+    rank_cands = [copy.deepcopy(cands) for _ in range(world)]
+
+    def run(rank):
+        try:
+            reports[rank] = measure_saturation(
+                nets[rank], batches_of(xs[rank], ys[rank], batch_sizes[rank]), half_sq_loss, rule="crossfit",
+                candidates=rank_cands[rank], projected=False, sync_fn=sync.for_rank(rank),
+            )
+        except Exception as exc:  # pragma: no cover - surfaced below
+            errors.append(exc)
+            sync.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert sync.calls[0] == sync.calls[1]
+    assert [r.lower for r in reports[0].sites] == [r.lower for r in reports[1].sites]
+    assert reports[0].n == sum(sizes)
+    assert (reports[0].extra["n_a"], reports[0].extra["n_b"]) == (25 + 16, 25 + 15)
+    # independent: A = first ⌈n_r/2⌉ of each rank's shard, B = the rest, pooled
+    for record in reports[0].sites:
+        xis = [by_hand_xi(cands[record.name], xs[r], ys[r]).numpy() for r in range(world)]
+        halves = [math.ceil(n / 2) for n in sizes]
+        a = np.concatenate([xi[:h] for xi, h in zip(xis, halves)])
+        b = np.concatenate([xi[h:] for xi, h in zip(xis, halves)])
+        g_a = a.mean(0)
+        s = b @ (g_a / np.linalg.norm(g_a))
+        expected = s.mean() - stats.norm.ppf(1 - ALPHA / 2) * s.std(ddof=1) / math.sqrt(len(s))
+        assert record.lower == pytest.approx(expected, rel=1e-9)
+
+
+# -- errors ----------------------------------------------------------------------------------
+def test_errors():
+    net = identity_stack()
+    (x,), (y,) = planted_data(1, 20, torch.zeros(D), seed=0)
+    batches = batches_of(x, y, (10, 10))
+
+    def unsized():
+        yield from batches
+
+    with pytest.raises(TypeError, match="probe_size"):
+        measure_saturation(net, unsized(), half_sq_loss, rule="crossfit", projected=False)
+    report = measure_saturation(net, unsized(), half_sq_loss, rule="crossfit", projected=False, probe_size=20)
+    assert report.extra["n_a"] == 10
+    with pytest.raises(ValueError, match="bound"):
+        measure_saturation(net, batches, half_sq_loss, rule="crossfit", crossfit_bound="hoeffding")
+    with pytest.raises(ValueError, match="alpha"):  # t given: the paper rule ignores α, cross-fit needs it
+        measure_saturation(net, batches, half_sq_loss, rule="crossfit", t=0.1, alpha=1.5)
+    with pytest.raises(ValueError, match="probe_size"):
+        measure_saturation(net, batches, half_sq_loss, rule="crossfit", probe_size=2)
+    with pytest.raises(ValueError, match="expected n=40"):  # the loader yields fewer than announced
+        measure_saturation(net, batches[:1], half_sq_loss, rule="crossfit", probe_size=40, projected=False)
+    with pytest.raises(ValueError, match="level"):
+        crossfit_lower_bound(torch.randn(10), 0.0)
+    with pytest.raises(ValueError, match="bound"):
+        crossfit_lower_bound(torch.randn(10), 0.05, "chebyshev")
+    with pytest.raises(ValueError, match="alpha"):
+        chen_qin_test(torch.randn(10, 3), 0.0, alpha=1.0)
+    with pytest.raises(ValueError, match="alpha"):
+        CrossFitState.for_loader(batches, 2, n=20, alpha=-0.1)
