@@ -82,4 +82,6 @@ def augment_batch(
     b = torch.arange(B, device=x.device)
     # Advanced indices around a slice put the indexed dims first: (B, H, W, C).
     out = padded[b[:, None, None], :, rows[:, :, None], cols[:, None, :]]
-    return out.permute(0, 3, 1, 2).contiguous()
+    # clone, not .contiguous(): with C == 1 the permuted view already counts as contiguous but
+    # keeps odd strides, which crashed a single-threaded mkldnn conv backward on 1-channel data.
+    return out.permute(0, 3, 1, 2).clone(memory_format=torch.contiguous_format)

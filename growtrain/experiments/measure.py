@@ -1,0 +1,145 @@
+"""Per-site saturation report of a trained model on its probe split (``growtrain measure``).
+
+Loads a checkpoint (replaying its growth), runs ``measure_saturation`` on the datamodule's
+probe split and reports, per candidate site: ‖ĝ‖ (the site's term of Γ̂), σ̂², V_S (projected
+growth value), AG in both of the paper's normalisations (Remark 1: sample-normalised ``AG`` and
+coordinate-normalised ``AG/√N_l``, ``N_l`` the activation size per sample), the batch-level
+``AG`` of Eq. (2), and the realisability ratio ``V_S/AG``; the decision ``Γ̂ ≤ δ+t`` and its
+error bound in the caption. Written as ``measure.json`` and ``measure.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningDataModule, LightningModule
+
+from growtrain.experiments.runs import (
+    fmt,
+    growable_of,
+    load_checkpoint_into,
+    markdown_table,
+    prepare,
+    probe_loss_of,
+    rich_table,
+)
+from growtrain.saturation import SaturationReport, measure_saturation
+
+__all__ = ["MeasureResult", "run_measure", "site_dims"]
+
+
+@dataclass
+class MeasureResult:
+    report: SaturationReport
+    dims: dict[str, int]  # N_l: activation elements per sample at each site
+    ckpt_path: str | None = None
+    output_dir: Path | None = None
+
+    def rows(self) -> list[dict]:
+        out = []
+        for r in self.report.sites:
+            n = self.dims.get(r.name)
+            out.append({**r.to_dict(), "dim": n, "ag_coordinate": r.ag / math.sqrt(n) if n else None})
+        return out
+
+    def to_dict(self) -> dict:
+        return {"ckpt_path": self.ckpt_path, **self.report.to_dict(), "sites": self.rows()}
+
+    def _header_cells(self):
+        header = ["site", "‖ĝ‖", "σ̂²", "V_S", "AG", "AG/√N", "AG (Eq. 2)", "V_S/AG"]
+        crossfit = any(r.get("lower") is not None for r in self.rows())
+        if crossfit:
+            header.append("lower")
+        rows = []
+        for r in self.rows():
+            cells = [r["site"]] + [fmt(r[k]) for k in ("grad_norm", "variance", "projected", "ag", "ag_coordinate", "ag_batch", "realisability")]  # fmt: skip
+            rows.append(cells + ([fmt(r["lower"])] if crossfit else []))
+        return header, rows
+
+    def caption(self) -> str:
+        rep = self.report
+        verdict = "saturated" if rep.saturated else f"grow at {rep.best_site}"
+        return (
+            f"{rep.rule} rule: {verdict} — Γ̂={fmt(rep.gamma)}, δ+t={fmt(rep.threshold)} (t={fmt(rep.t)}), "
+            f"error bound={fmt(rep.error_bound)}, n={rep.n}, AG_max={fmt(rep.ag_max)}"
+        )
+
+    def table(self):
+        header, rows = self._header_cells()
+        best = self.report.best_record.name
+        rows = [[f"[bold]{c[0]}[/]" if c[0] == best else c[0]] + c[1:] for c in rows]
+        title = f"Saturation per site{f' — {self.ckpt_path}' if self.ckpt_path else ''}"
+        return rich_table(header, rows, title=title, caption=self.caption())
+
+    def markdown(self) -> str:
+        return markdown_table(*self._header_cells()) + f"\n{self.caption()}\n"
+
+    def __rich__(self):
+        return self.table()
+
+
+def site_dims(network: torch.nn.Module, example: torch.Tensor) -> dict[str, int]:
+    """``N_l``: elements per sample of the activation at each site (one no-grad forward)."""
+    dims: dict[str, int] = {}
+    handles = []
+
+    def record(name):
+        def hook(_module, args, output=None):
+            z = args[0] if output is None else output
+            dims[name] = int(z[0].numel())
+
+        return hook
+
+    for site in network.sites():
+        stage = network.stage(site.stage)
+        if site.index < len(stage):
+            handles.append(stage[site.index].register_forward_pre_hook(record(site.name)))
+        else:
+            handles.append(stage[site.index - 1].register_forward_hook(record(site.name)))
+    was_training = network.training
+    network.eval()
+    try:
+        with torch.no_grad():
+            network(example[:1])
+    finally:
+        network.train(was_training)
+        for h in handles:
+            h.remove()
+    return dims
+
+
+def run_measure(
+    model: LightningModule,
+    datamodule: LightningDataModule,
+    *,
+    ckpt_path: str | None = None,
+    delta: float = 0.0,
+    alpha: float = 0.05,
+    t: float | None = None,
+    rule: str = "paper",
+    projected: bool = True,
+    seed: int = 0,
+    output_dir: str | Path | None = None,
+) -> MeasureResult:
+    """Score every candidate site of ``model`` (loaded from ``ckpt_path`` if given) on the probe split."""
+    prepare(datamodule, "measure")
+    if ckpt_path is not None:
+        load_checkpoint_into(model, ckpt_path)
+    network = growable_of(model)
+    probe = datamodule.probe_dataloader()
+    report = measure_saturation(
+        network, probe, probe_loss_of(model), delta=delta, alpha=alpha, t=t, rule=rule, projected=projected, seed=seed
+    )
+    example = next(iter(probe))[0].to(network.neighbour_tensor(network.sites()[0]).device)
+    result = MeasureResult(report, site_dims(network, example), ckpt_path=ckpt_path)
+    if output_dir is not None:
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "measure.json").write_text(json.dumps(result.to_dict(), indent=1, default=str))
+        (out / "measure.md").write_text("# Saturation per site\n\n" + result.markdown())
+        result.output_dir = out
+    return result

@@ -1,0 +1,127 @@
+"""Figures: the Γ̂ trace of a growth run and the depth sweep (PNG, matplotlib's Agg renderer).
+
+Uses matplotlib's object API (``matplotlib.figure.Figure``), never ``pyplot``: no global
+backend is switched, so importing this in a notebook or a headless job changes nothing.
+Each function returns the ``Figure`` and writes ``path``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from lightning.pytorch import Callback
+
+__all__ = ["plot_gamma_trace", "plot_sweep", "save_gamma_trace", "GammaTracePlot", "grew"]
+
+
+def grew(record: dict) -> bool:
+    """Whether a growth check inserted a block (its ``action`` is ``"grow"``; records without
+    an action: a site and not saturated)."""
+    if "action" in record:
+        return record["action"] == "grow"
+    return record.get("site") is not None and not record.get("saturated", False)
+
+
+def _figure(size=(7.0, 4.0)):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=size, layout="constrained")
+
+
+def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, title: str | None = None):
+    """Γ̂ at each growth check, the δ+t threshold as a band, growth events marked.
+
+    ``history``: ``GrowUntilSaturated.history`` (dicts with ``step``, ``gamma``,
+    ``threshold``, ``site``, ``saturated``; ``ag_max`` and ``lower`` are drawn when present).
+    Checks are placed at their global ``step`` (``epoch`` if no step was recorded).
+    """
+    if not history:
+        raise ValueError("history: no growth checks to plot (the callback recorded none)")
+    xkey = "step" if all(h.get("step") is not None for h in history) else "epoch"
+    measured = [h for h in history if h.get("gamma") is not None]  # budget stops run no probe
+    x = [h[xkey] for h in measured]
+    fig = _figure((8.5, 4.0))
+    ax = fig.subplots()
+    ax.plot(x, [h["gamma"] for h in measured], "o-", color="C0", label=r"$\hat\Gamma = \max_l \|\hat g_l\|$")
+    if measured and all(h.get("threshold") is not None for h in measured):
+        thresholds = [h["threshold"] for h in measured]
+        ax.fill_between(x, 0, thresholds, color="C2", alpha=0.15, label=r"$\hat\Gamma \leq \delta+t$: saturated")
+        ax.plot(x, thresholds, "_--", color="C2", ms=12, lw=1, label=r"$\delta+t$")
+    for key, style, color, label in (("ag_max", "s:", "C1", r"$AG_{\max}$"), ("lower", "^:", "C4", "cross-fit lower bound")):
+        if measured and all(h.get(key) is not None for h in measured):
+            ax.plot(x, [h[key] for h in measured], style, color=color, ms=3, label=label)
+    for h in history:
+        if grew(h):
+            xi = h[xkey]
+            ax.axvline(xi, color="C3", lw=0.8, alpha=0.7)
+            ax.annotate(", ".join(h.get("sites") or [str(h.get("site"))]), (xi, 1.0), xycoords=("data", "axes fraction"),
+                        rotation=90, va="top", ha="right", fontsize=7, color="C3")  # fmt: skip
+    ax.axvline(float("nan"), color="C3", lw=0.8, label="block inserted")  # legend entry only
+    ax.set_xlabel("training step" if xkey == "step" else "epoch")
+    ax.set_ylabel("gradient norm")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title or r"Growth checks: $\hat\Gamma$ against the threshold $\delta+t$")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never over the data
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def plot_sweep(rows: Sequence[dict], path: str | Path | None = None, *, depth_label: str = "depth", stop_depth=None):
+    """Figure 1: train/test loss (left) and AG_max, Γ̂, δ+t (right, log scale) against depth."""
+    if not rows:
+        raise ValueError("rows: nothing to plot")
+    rows = sorted(rows, key=lambda r: r["depth"])
+    x = [r["depth"] for r in rows]
+    fig = _figure((10.0, 4.0))
+    left, right = fig.subplots(1, 2)
+    for key, style, label in (("train_loss", "o-", "train loss"), ("test_loss", "s-", "test loss")):
+        ys = [r.get(key) for r in rows]
+        if any(y is not None for y in ys):
+            left.plot(x, [float("nan") if y is None else y for y in ys], style, label=label)
+    left.set_ylabel("loss")
+    for key, style, label in (("ag_max", "o-", r"$AG_{\max}$"), ("gamma", "s-", r"$\hat\Gamma$"), ("threshold", "--", r"$\delta+t$")):
+        ys = [r.get(key) for r in rows]
+        if any(y is not None for y in ys):
+            right.plot(x, [float("nan") if y is None else y for y in ys], style, label=label)
+    right.set_yscale("log")
+    right.set_ylabel("gradient norm")
+    for ax in (left, right):
+        ax.set_xlabel(f"depth ({depth_label})")
+        if stop_depth is not None:
+            ax.axvline(stop_depth, color="C3", ls=":", label=f"growth stopped ({depth_label}={stop_depth})")
+        ax.legend(fontsize=8)
+    fig.suptitle("Loss and activation-gradient signal across depth")
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def save_gamma_trace(trainer, pl_module=None) -> list[Path]:
+    """Write ``gamma_trace.png`` for each growth callback of ``trainer`` next to its logs.
+
+    Has the signature of ``Callback.on_fit_end(trainer, pl_module)``; rank 0 only; a
+    callback that recorded no checks is skipped.
+    """
+    from growtrain.trainer import growth_callbacks
+
+    if not trainer.is_global_zero:
+        return []
+    callbacks = [cb for cb in growth_callbacks(trainer.callbacks) if getattr(cb, "history", None)]
+    folder = Path(trainer.log_dir or trainer.default_root_dir)
+    paths = []
+    for i, cb in enumerate(callbacks):
+        path = folder / ("gamma_trace.png" if i == 0 else f"gamma_trace_{i}.png")
+        plot_gamma_trace(cb.history, path)
+        paths.append(path)
+    return paths
+
+
+class GammaTracePlot(Callback):
+    """Writes ``gamma_trace.png`` (see :func:`save_gamma_trace`) when ``fit`` ends."""
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        save_gamma_trace(trainer, pl_module)

@@ -1,0 +1,131 @@
+"""The experiment subcommands end to end through GrowtrainCLI (in-process), on a tiny config:
+``fit`` (Γ̂ trace next to the logs) → ``measure`` / ``match`` on its grown checkpoint,
+``sweep`` marked with its growth history, ``compare``; plus ``--help`` and a typo."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from growtrain.cli import GrowtrainCLI
+
+logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+# A width-4 ResNet-8 on 8×8 synthetic images; the growth callback's t is tiny, so its first
+# check always grows (max_growths 1). in_channels / num_classes come from the datamodule.
+TINY = """
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 1
+  max_epochs: 2
+  limit_train_batches: 2
+  limit_val_batches: 0
+  limit_test_batches: 1
+  num_sanity_val_steps: 0
+  enable_progress_bar: false
+  enable_model_summary: false
+  default_root_dir: {root}
+  callbacks:
+    - class_path: growtrain.callback.GrowUntilSaturated
+      init_args: {{t: 1.0e-6, max_growths: 1, on_saturated: continue, verbose: false}}
+model:
+  class_path: growtrain.module.ImageClassifier
+  init_args: {{width: 4}}
+data:
+  class_path: growtrain.data.ImageDataModule
+  init_args: {{dataset: synthetic, image_size: 8, channels: 3, synthetic_size: 160, synthetic_classes: 4,
+              probe_size: 32, val_size: 16, batch_size: 16}}
+"""
+
+
+def write_config(folder: Path) -> Path:
+    path = folder / "tiny.yaml"
+    path.write_text(TINY.format(root=folder / "root"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli")
+    config = write_config(folder)
+    cli = GrowtrainCLI(args=["fit", "--config", str(config)])
+    log_dir = Path(cli.trainer.log_dir)
+    (ckpt,) = log_dir.rglob("*.ckpt")
+    return config, log_dir, ckpt, cli
+
+
+def test_fit_with_the_growth_callback_writes_the_gamma_trace(fitted):
+    _, log_dir, _, cli = fitted
+    assert len(cli.model.network.growth_log) == 1
+    history = json.loads((log_dir / "growth_history.json").read_text())
+    assert history[0]["action"] == "grow"
+    assert (log_dir / "gamma_trace.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_measure_loads_the_grown_checkpoint(fitted, tmp_path):
+    config, _, ckpt, cli = fitted
+    GrowtrainCLI(args=["measure", "--config", str(config), f"--ckpt_path={ckpt}", f"--output_dir={tmp_path}"])
+    saved = json.loads((tmp_path / "measure.json").read_text())
+    assert [s["site"] for s in saved["sites"]] == [s.name for s in cli.model.network.sites()]  # grown sites
+    assert all(s["projected"] is not None and s["ag_coordinate"] > 0 for s in saved["sites"])
+    assert (tmp_path / "config.yaml").is_file()
+
+
+def test_match_reports_the_immediate_loss_change(fitted, tmp_path):
+    config, _, ckpt, _ = fitted
+    GrowtrainCLI(args=[
+        "match", "--config", str(config), f"--ckpt_path={ckpt}", "--seeds=[0, 1]", "--steps=10", "--samples=32",
+        "--alpha=0.01", f"--output_dir={tmp_path}",
+    ])  # fmt: skip
+    saved = json.loads((tmp_path / "match.json").read_text())
+    assert len(saved["runs"]) == 2 and saved["summary"]["gain_train"] is not None
+    assert "Δ_train" in (tmp_path / "match.md").read_text()
+
+
+def test_sweep_marks_where_growth_stopped(fitted, tmp_path):
+    config, log_dir, _, _ = fitted
+    GrowtrainCLI(args=[
+        "sweep", "--config", str(config), "--depths=0..1", f"--growth_history={log_dir / 'growth_history.json'}",
+        f"--output_dir={tmp_path}",
+    ])  # fmt: skip
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    assert [r["depth"] for r in saved["rows"]] == [0, 1] and saved["stop_depth"] == 1  # 4 blocks = added 1
+    assert all(r["ag_max"] > 0 and r["test_loss"] > 0 for r in saved["rows"])
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_compare_fills_scratch_and_growth_from_real_runs(tmp_path):
+    config = write_config(tmp_path)
+    out = tmp_path / "compare"
+    GrowtrainCLI(args=["compare", "--config", str(config), "--seeds=[0]", "--compute_matched=false", f"--output_dir={out}"])
+    saved = json.loads((out / "compare.json").read_text())
+    (row,) = saved["summary"]
+    for metric in ("train_loss", "test_loss", "test_acc"):
+        assert row[f"scratch_{metric}"] is not None and row[f"growth_{metric}"] is not None
+    runs = {r["arm"]: r for r in saved["runs"]}
+    assert runs["growth"]["growth_log"] and runs["scratch"]["arch"] == runs["growth"]["arch"]
+    lines = (out / "compare.md").read_text().splitlines()
+    assert "Train loss Scratch" in lines[2] and "—" not in lines[4]  # every cell of the row filled
+    assert (out / "runs.jsonl").read_text().count("\n") == 2
+
+
+@pytest.mark.parametrize("subcommand", ["compare", "measure", "sweep", "match"])
+def test_help(subcommand, capsys):
+    with pytest.raises(SystemExit) as done:
+        GrowtrainCLI(args=[subcommand, "--help"])
+    assert done.value.code == 0
+    assert "--output_dir" in capsys.readouterr().out
+
+
+def test_typo_is_a_parser_error(tmp_path, capsys):
+    config = write_config(tmp_path)
+    with pytest.raises(SystemExit) as error:
+        GrowtrainCLI(args=["fit", "--config", str(config), "--trainer.max_epochs=1", "--data.dataset=synthetic", "--oops=1"])
+    assert error.value.code != 0
+    err = capsys.readouterr().err
+    assert "oops" in err and "error" in err.lower()
