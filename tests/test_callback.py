@@ -1,0 +1,478 @@
+"""GrowUntilSaturated: a real grow-then-saturate fit, insertion safety, refusals, decisions.
+
+Tiny models (width 4, 8×8 synthetic images, a few hundred samples), one CPU thread.
+Whole file: about a minute on a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Subset, TensorDataset
+
+import growtrain.callback as callback_module
+from growtrain.callback import (
+    PROBE_COST,
+    FunctionChangedError,
+    GrowUntilSaturated,
+    _insertion_order,
+    decide_growth,
+    plateau_update,
+    probe_overlap,
+    rank_sites,
+    should_check,
+)
+from growtrain.data import ImageDataModule
+from growtrain.growable import GrowableStack, grown_blocks
+from growtrain.module import GrowableModuleMixin, ImageClassifier
+from growtrain.optim import param_groups
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_dm(**kw) -> ImageDataModule:
+    args = dict(dataset="synthetic", image_size=8, synthetic_size=600, synthetic_classes=4, probe_size=200,
+                val_size=50, batch_size=32, augment=False)  # fmt: skip
+    return ImageDataModule(**(args | kw))
+
+
+def tiny_trainer(tmp_path, callbacks, max_epochs=8, **kw) -> L.Trainer:
+    args = dict(max_epochs=max_epochs, callbacks=callbacks, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                default_root_dir=tmp_path, deterministic=True)  # fmt: skip
+    return L.Trainer(**(args | kw))
+
+
+class CountSteps(L.Callback):
+    def __init__(self):
+        self.steps = 0
+
+    def on_train_batch_start(self, *args):
+        self.steps += 1
+
+
+# -- the real thing ------------------------------------------------------------------------
+def test_grows_then_stops_at_saturation(tmp_path):
+    """Paper rule, α = 0.05, cooldown 1: at epoch 0 the untrained net has Γ̂ ≈ 4.9 against
+    δ+t ≈ 1.4 (grow); two epochs later Γ̂ ≈ 0.3 against ≈ 1.2 (saturated, stop)."""
+    L.seed_everything(0)
+    dm, module = tiny_dm(), ImageClassifier(width=4, num_classes=4)
+    depth0, params0 = module.network.depth(), sum(p.numel() for p in module.parameters())
+    grow = GrowUntilSaturated(rule="paper", cooldown=1, verbose=False)
+    logger = CSVLogger(tmp_path, name="run")
+    trainer = tiny_trainer(tmp_path, [grow], logger=logger, log_every_n_steps=1)
+    trainer.fit(module, dm)
+
+    actions = [h["action"] for h in grow.history]
+    assert actions[0] == "grow" and actions[-1] == "saturated" and set(actions) <= {"grow", "saturated"}
+    assert trainer.should_stop and trainer.current_epoch < 7  # stopped by saturation, not max_epochs
+    first, last = grow.history[0], grow.history[-1]
+    assert first["gamma"] > 2 * first["threshold"]  # real, with margin
+    assert last["gamma"] < 0.5 * last["threshold"] and last["saturated"] and last["site"] is None
+    grown = [h for h in grow.history if h["action"] == "grow"]
+    assert module.network.depth() == depth0 + len(grown)
+    assert [r["site"] for r in module.network.growth_log] == [h["site"] for h in grown]
+    for h in grown:  # every insertion left the output unchanged, measured
+        assert 0.0 <= h["max_abs_change"] <= h["tolerance"] <= 1e-5 * 100
+        assert h["params"] > h["params_before"] and h["depth"] == h["depth_before"] + 1
+    assert last["params"] == sum(p.numel() for p in module.network.parameters()) > params0
+    for h in grow.history:
+        for key in ("epoch", "step", "site", "gamma", "threshold", "saturated", "params", "depth", "reason",
+                    "error_bound", "lower", "level", "n"):  # fmt: skip
+            assert key in h, key
+        assert h["n"] == 200
+    # the new groups are in the optimizer, named for resume
+    names = [g.get("name") for g in trainer.optimizers[0].param_groups]
+    assert names == ["base"] + [f"growth{k}" for k in range(len(grown))]
+
+    # telemetry: JSON next to the logs, loggers got growth/*, state_dict is plain and complete
+    saved = json.loads(Path(trainer.log_dir, "growth_history.json").read_text())
+    assert saved == json.loads(json.dumps(grow.history))
+    with open(Path(logger.log_dir, "metrics.csv")) as f:
+        rows = list(csv.DictReader(f))
+    logged = {k for row in rows for k, v in row.items() if v not in ("", None)}
+    for key in ("growth/gamma", "growth/threshold", "growth/error_bound", "growth/depth", "growth/params",
+                "growth/layer1.0/grad_norm", "growth/layer1.0/ag"):  # fmt: skip
+        assert key in logged, key
+    state = grow.state_dict()
+    assert state["checks"] == len(grow.history) and state["growths"] == len(grown)
+    assert state["finished"] == "saturated"
+    json.dumps(state)  # plain data only
+
+
+def test_table_printed_once_per_decision(tmp_path, monkeypatch):
+    printed = []
+    monkeypatch.setattr(callback_module, "rank_zero_info", printed.append)  # no RichProgressBar: logged
+    L.seed_everything(0)
+    grow = GrowUntilSaturated(rule="paper", t=1e-9, max_growths=1, verbose=True)
+    trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
+    trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm(synthetic_size=200, probe_size=40))
+    tables = [m for m in printed if "growth check" in m]
+    assert len(tables) == len(grow.history) == 2
+    assert "layer1.0" in tables[0] and "Γ̂" in tables[0] and "grow" in tables[0]
+    assert "max_growths=1 reached" in tables[1]
+
+
+def test_top_k_inserts_distinct_sites_with_valid_indices(tmp_path):
+    L.seed_everything(0)
+    module = ImageClassifier(width=4, num_classes=4, blocks=(2, 1, 1))
+    grow = GrowUntilSaturated(rule="paper", t=1e-9, top_k=3, max_growths=1, verbose=False)
+    trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
+    trainer.fit(module, tiny_dm(synthetic_size=200, probe_size=40))
+    first = grow.history[0]
+    assert first["action"] == "grow" and len(first["sites"]) == 3 == len(set(first["sites"]))
+    assert first["max_abs_change"] <= first["tolerance"]
+    # the report's ranking: the best site first, then by ‖ĝ‖
+    scores = {s["site"]: s["grad_norm"] for s in first["site_scores"]}
+    assert first["sites"][0] == first["best_site"]
+    assert scores[first["sites"][1]] >= scores[first["sites"][2]]
+    # each chosen pre-insertion position got exactly one new block
+    log = module.network.growth_log
+    assert len(log) == 3 and grow.history[1]["action"] == "budget"
+    per_stage = {}
+    for name in first["sites"]:
+        stage, _, index = name.rpartition(".")
+        per_stage.setdefault(stage, []).append(int(index))
+    for stage, indices in per_stage.items():
+        # after inserting at sorted original positions p_0 < p_1 < ..., block j sits at p_j + j
+        blocks = list(module.network.stage(stage))
+        grown = grown_blocks(module.network)
+        positions = sorted(i for i, b in enumerate(blocks) if any(b is g for g in grown))
+        assert positions == [p + j for j, p in enumerate(sorted(indices))]
+    names = [g.get("name") for g in trainer.optimizers[0].param_groups]
+    assert names == ["base", "growth0", "growth1", "growth2"]
+
+
+def test_continue_keeps_training_without_further_checks(tmp_path):
+    L.seed_everything(0)
+    grow = GrowUntilSaturated(rule="paper", t=1e3, on_saturated="continue", verbose=False)
+    steps = CountSteps()
+    trainer = tiny_trainer(tmp_path, [grow, steps], max_epochs=3)
+    trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm(synthetic_size=200, probe_size=40))
+    assert [h["action"] for h in grow.history] == ["saturated"]
+    assert trainer.current_epoch == 3 and not trainer.should_stop  # ran to max_epochs
+
+
+def test_budget_ends_growth_but_not_training(tmp_path):
+    L.seed_everything(0)
+    grow = GrowUntilSaturated(rule="paper", t=1e-9, max_blocks=4, verbose=False)
+    trainer = tiny_trainer(tmp_path, [grow], max_epochs=3)
+    module = ImageClassifier(width=4, num_classes=4)
+    trainer.fit(module, tiny_dm(synthetic_size=200, probe_size=40))
+    assert [h["action"] for h in grow.history] == ["grow", "budget"]
+    assert "max_blocks=4" in grow.history[1]["reason"] and grow.history[1]["gamma"] is None  # no probe spent
+    assert module.network.depth() == 4 and trainer.current_epoch == 3
+
+
+def test_function_change_is_rolled_back_with_a_clear_error(tmp_path):
+    """A candidate that changes the output (here: a hook adds 1) is removed again and fit fails."""
+    real = callback_module.measure_saturation
+
+    def tampered(*args, **kwargs):
+        report = real(*args, **kwargs)
+        for r in report.sites:
+            r.block.register_forward_hook(lambda m, i, out: out + 1.0)
+        return report
+
+    L.seed_everything(0)
+    module = ImageClassifier(width=4, num_classes=4)
+    grow = GrowUntilSaturated(rule="paper", t=1e-9, verbose=False)
+    trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
+    callback_module.measure_saturation = tampered
+    try:
+        with pytest.raises(FunctionChangedError, match="insertion was undone"):
+            trainer.fit(module, tiny_dm(synthetic_size=200, probe_size=40))
+    finally:
+        callback_module.measure_saturation = real
+    net = module.network
+    assert net.growth_log == [] and net._grown_blocks == [] and net.depth() == 3
+    assert [len(net.stage(s)) for s in net.growable_stages] == [1, 1, 1]
+    assert len(trainer.optimizers[0].param_groups) == 1
+
+
+# -- a user's own LightningModule in a few lines ----------------------------------------------
+class MLPBlock(nn.Module):
+    def __init__(self, width=6):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, z):
+        return z + self.fc2(torch.tanh(self.fc1(z)))
+
+
+class UserModule(GrowableModuleMixin, L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.trunk = GrowableStack([MLPBlock()], factory=MLPBlock, terminal=("fc2.weight", "fc2.bias"))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.trunk(torch.tanh(self.inp(x))))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        # growth groups last (base, growth0, growth1, ...) so a resumed run lines up by position
+        other = {"name": "other", "params": [*self.inp.parameters(), *self.head.parameters()]}
+        return torch.optim.Adam([other] + param_groups(self.trunk), lr=1e-2)
+
+
+def _blobs(n=240, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 3, (n,), generator=g)
+    x = torch.randn(n, 4, generator=g) + 2 * F.one_hot(y, 4)[:, :4].float()
+    return TensorDataset(x, y)
+
+
+def test_users_own_module_with_probe_loader_and_loss(tmp_path):
+    ds = _blobs()
+    train = DataLoader(Subset(ds, range(0, 160)), batch_size=32, shuffle=True)
+    probe = DataLoader(Subset(ds, range(160, 240)), batch_size=40)
+    L.seed_everything(0)
+    module = UserModule()
+    grow = GrowUntilSaturated(probe=lambda: probe, network="trunk", loss_fn=F.cross_entropy, rule="paper", t=1e-9,
+                              max_growths=1, verbose=False)  # fmt: skip
+    trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
+    trainer.fit(module, train)
+    assert grow.history[0]["action"] == "grow" and len(module.trunk.blocks) == 2
+    assert grow.history[0]["max_abs_change"] <= grow.history[0]["tolerance"]
+    (new,) = grown_blocks(module.trunk)
+    groups = trainer.optimizers[0].param_groups
+    assert [g["name"] for g in groups] == ["other", "base", "growth0"]
+    assert {id(p) for p in groups[2]["params"]} == {id(p) for p in new.parameters()}
+
+
+# -- refusals: before anything changes --------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, arg",
+    [
+        ({"delta": -0.1}, "delta"),
+        ({"delta": float("nan")}, "delta"),
+        ({"alpha": 0.0}, "alpha"),
+        ({"alpha": 1.0}, "alpha"),
+        ({"alpha": 1.5}, "alpha"),
+        ({"t": -1.0}, "t"),
+        ({"rule": "bonferroni"}, "rule"),
+        ({"on_saturated": "halt"}, "on_saturated"),
+        ({"lr_schedule": "reset"}, "lr_schedule"),
+        ({"alpha_spending": "linear"}, "alpha_spending"),
+        ({"mode": "up"}, "mode"),
+        ({"top_k": 0}, "top_k"),
+        ({"every_n_epochs": 0}, "every_n_epochs"),
+        ({"cooldown": -1}, "cooldown"),
+        ({"probe_budget": 0.0}, "probe_budget"),
+        ({"probe_budget": 2}, "probe_budget"),
+        ({"max_growths": -1}, "max_growths"),
+        ({"max_params": 0}, "max_params"),
+        ({"projected": "yes"}, "projected"),
+        ({"network": 3}, "network"),
+        ({"loss_fn": "ce"}, "loss_fn"),
+    ],
+)
+def test_bad_arguments_raise_naming_argument_expected_given_fix(kwargs, arg):
+    with pytest.raises(ValueError) as info:
+        GrowUntilSaturated(**kwargs)
+    msg = str(info.value)
+    assert msg.startswith(f"{arg}:") and "expected" in msg and "got" in msg and "Fix:" in msg
+
+
+def _assert_refused_before_training(tmp_path, module, fit_kwargs, grow, match, exc=ValueError):
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    steps = CountSteps()
+    trainer = tiny_trainer(tmp_path, [grow, steps], max_epochs=1)
+    with pytest.raises(exc, match=match):
+        trainer.fit(module, **fit_kwargs)
+    assert steps.steps == 0
+    after = module.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_no_probe_is_refused_in_setup(tmp_path):
+    dm = tiny_dm(synthetic_size=200, probe_size=40)
+    dm.setup("fit")
+    _assert_refused_before_training(
+        tmp_path, ImageClassifier(width=4, num_classes=4), {"train_dataloaders": dm.train_dataloader()},
+        GrowUntilSaturated(verbose=False), "probe: no probe data",
+    )  # fmt: skip
+
+
+def test_probe_overlapping_training_data_is_refused(tmp_path):
+    ds = _blobs()
+    train = DataLoader(Subset(ds, range(0, 160)), batch_size=32)
+    probe = DataLoader(Subset(ds, range(150, 200)), batch_size=25)  # 10 samples shared
+    grow = GrowUntilSaturated(probe=probe, verbose=False)
+    _assert_refused_before_training(tmp_path, UserModule(), {"train_dataloaders": train}, grow, "overlaps the training")
+    same = GrowUntilSaturated(probe=DataLoader(ds, batch_size=40), verbose=False)
+    _assert_refused_before_training(tmp_path, UserModule(), {"train_dataloaders": DataLoader(ds)}, same, "same dataset")
+
+
+def test_datamodule_with_overlapping_indices_is_refused(tmp_path):
+    dm = tiny_dm(synthetic_size=200, probe_size=40)
+    dm.setup("fit")
+    dm._split = (dm._split[0], torch.cat([dm._split[1], dm._split[0][:3]]), dm._split[2])  # leak 3 train images
+    _assert_refused_before_training(tmp_path, ImageClassifier(width=4, num_classes=4), {"datamodule": dm},
+                                    GrowUntilSaturated(verbose=False), "share 3 sample")  # fmt: skip
+
+
+def test_model_without_growable_network_is_refused(tmp_path):
+    class Plain(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self.fc(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    ds = _blobs()
+    grow = GrowUntilSaturated(probe=DataLoader(Subset(ds, range(200, 240))), verbose=False)
+    _assert_refused_before_training(tmp_path, Plain(), {"train_dataloaders": DataLoader(Subset(ds, range(200)))},
+                                    grow, "no growable submodule")  # fmt: skip
+    bad_path = GrowUntilSaturated(probe=DataLoader(Subset(ds, range(200, 240))), network="trunk", verbose=False)
+    _assert_refused_before_training(tmp_path, Plain(), {"train_dataloaders": DataLoader(Subset(ds, range(200)))},
+                                    bad_path, "has no submodule 'trunk'")  # fmt: skip
+
+
+def test_unsupported_strategies_are_refused_in_setup():
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    module = ImageClassifier(width=4, num_classes=4)
+    spawn = L.Trainer(strategy="ddp_spawn", accelerator="cpu", devices=2, logger=False).strategy
+    for strategy, match in ((FSDPStrategy(), "FSDPStrategy"), (spawn, "spawn/fork-based DDP")):
+        trainer = SimpleNamespace(strategy=strategy, world_size=2, datamodule=None)
+        with pytest.raises(RuntimeError, match=match):
+            GrowUntilSaturated(verbose=False).setup(trainer, module, "fit")
+    assert module.network.growth_log == []
+
+
+def test_missing_monitor_metric_is_a_clear_error(tmp_path):
+    grow = GrowUntilSaturated(monitor="val_los", verbose=False)
+    trainer = tiny_trainer(tmp_path, [grow], max_epochs=1)
+    with pytest.raises(RuntimeError, match="monitor: metric 'val_los' is not logged"):
+        trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm(synthetic_size=200, probe_size=40))
+
+
+# -- pure decision functions ------------------------------------------------------------------
+def test_should_check_schedule_cooldown_and_plateau():
+    base = dict(finished=None, cooldown_left=0, epochs_since_check=1, every_n_epochs=1, monitor=None, plateaued=False)
+    assert should_check(**base)[0]
+    assert not should_check(**(base | {"every_n_epochs": 2}))[0]
+    assert should_check(**(base | {"every_n_epochs": 2, "epochs_since_check": 2}))[0]
+    assert not should_check(**(base | {"cooldown_left": 1}))[0]
+    assert not should_check(**(base | {"finished": "saturated"}))[0]
+    assert not should_check(**(base | {"monitor": "train_loss"}))[0]
+    ok, why = should_check(**(base | {"monitor": "train_loss", "plateaued": True}))
+    assert ok and "plateau" in why
+    # probe_budget: PROBE_COST × 100 probe samples at 5% need PROBE_COST × 2000 trained samples
+    budget = base | {"probe_budget": 0.05, "probe_samples": 100}
+    need = int(PROBE_COST * 2000)
+    ok, why = should_check(**(budget | {"trained_samples": need - 1}))
+    assert not ok and f"postponed until {need}" in why
+    assert should_check(**(budget | {"trained_samples": need}))[0]
+
+
+def test_probe_budget_postpones_checks_by_trained_samples(tmp_path):
+    # 200 probe samples at 20% need PROBE_COST × 1000 trained samples; an epoch is 5 batches of
+    # 32 = 160 samples, so the first check is due after ceil(PROBE_COST × 1000 / 160) epochs
+    due = math.ceil(PROBE_COST * 1000 / 160)
+    L.seed_everything(0)
+    grow = GrowUntilSaturated(probe_budget=0.2, rule="paper", t=1e3, verbose=False)
+    trainer = tiny_trainer(tmp_path, [grow], max_epochs=due + 1, limit_train_batches=5)
+    trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm())
+    assert [h["epoch"] for h in grow.history] == [due - 1]
+    assert grow.state_dict()["trained_since_check"] == 0
+
+
+def test_crossfit_rule_with_alpha_spending(tmp_path):
+    """Cross-fit bound, geometric α-spending, δ = 0.1: epoch 0's lower bound ≈ 3.7 grows; two
+    epochs later it is ≈ 0 (saturated). Levels α/2, α/4."""
+    L.seed_everything(0)
+    grow = GrowUntilSaturated(rule="crossfit", delta=0.1, alpha_spending="geometric", cooldown=1, verbose=False)
+    trainer = tiny_trainer(tmp_path, [grow])
+    trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm())
+    assert [h["action"] for h in grow.history] == ["grow", "saturated"]
+    assert [h["level"] for h in grow.history] == [0.025, 0.0125]
+    first, last = grow.history
+    assert first["rule"] == "crossfit" and first["lower"] > 10 * 0.1 and last["lower"] < 0.1
+    assert first["extra"]["paper_decision"] in ("grow", "saturated")
+    assert all(s["lower"] is not None for s in first["site_scores"])
+    assert trainer.should_stop
+
+
+def test_plateau_update_counts_epochs_without_improvement():
+    best, wait, flat = plateau_update(1.0, None, 0, mode="min", min_delta=0.01, patience=2)
+    assert (best, wait, flat) == (1.0, 0, False)
+    best, wait, flat = plateau_update(0.995, best, wait, mode="min", min_delta=0.01, patience=2)  # < min_delta
+    assert (best, wait, flat) == (1.0, 1, False)
+    best, wait, flat = plateau_update(0.5, best, wait, mode="min", min_delta=0.01, patience=2)
+    assert (best, wait, flat) == (0.5, 0, False)
+    for _ in range(2):
+        best, wait, flat = plateau_update(0.5, best, wait, mode="min", min_delta=0.01, patience=2)
+    assert flat and wait == 2
+    assert plateau_update(0.9, 0.5, 0, mode="max", min_delta=0.0, patience=1) == (0.9, 0, False)
+
+
+def test_decide_growth_budgets_and_saturation():
+    common = dict(block_params={"a.0": 10, "a.1": 10, "b.1": 50}, growths=0, max_growths=None, depth=3,
+                  max_blocks=None, params=100, max_params=None)  # fmt: skip
+    assert decide_growth(saturated=True, ranked=[], **common)[0] == "saturated"
+    action, why, sites = decide_growth(saturated=False, ranked=["b.1", "a.0"], **common)
+    assert (action, sites) == ("grow", ["b.1", "a.0"])
+    assert decide_growth(saturated=False, ranked=["b.1"], **(common | {"growths": 2, "max_growths": 2}))[0] == "budget"
+    action, _, sites = decide_growth(saturated=False, ranked=["b.1", "a.0", "a.1"], **(common | {"max_blocks": 5}))
+    assert sites == ["b.1", "a.0"]  # depth 3 + 2 = 5
+    action, _, sites = decide_growth(saturated=False, ranked=["b.1", "a.0"], **(common | {"max_params": 115}))
+    assert sites == ["a.0"]  # b.1 does not fit, a.0 does
+    action, why, sites = decide_growth(saturated=False, ranked=["b.1"], **(common | {"max_params": 120}))
+    assert action == "budget" and "no candidate block fits" in why
+
+
+def test_rank_sites_crossfit_needs_each_site_certified():
+    rec = lambda name, g, lower=None: SimpleNamespace(name=name, grad_norm=g, lower=lower)  # noqa: E731
+    sites = [rec("a.0", 3.0, 0.5), rec("a.1", 2.0, -0.1), rec("b.1", 1.0, 0.2)]
+    report = SimpleNamespace(saturated=False, best_site="a.0", rule="crossfit", delta=0.0, sites=sites)
+    assert rank_sites(report, 3) == ["a.0", "b.1"]
+    report.rule = "paper"
+    assert rank_sites(report, 2) == ["a.0", "a.1"]
+    report.saturated = True
+    assert rank_sites(report, 3) == []
+
+
+def test_insertion_order_keeps_indices_valid():
+    assert _insertion_order(["layer1.0", "layer2.1", "layer1.2"]) == ["layer1.2", "layer1.0", "layer2.1"]
+
+
+def test_probe_overlap_detection():
+    ds = _blobs(40)
+    assert probe_overlap(ds, ds) is not None
+    assert probe_overlap(Subset(ds, range(10)), Subset(ds, range(10, 40))) is None
+    assert "1 sample" in probe_overlap(Subset(ds, range(11)), Subset(ds, range(10, 40)))
+    nested = Subset(Subset(ds, range(20, 40)), [0, 1])  # → samples 20, 21
+    assert probe_overlap(nested, Subset(ds, range(0, 20))) is None
+    assert probe_overlap(nested, Subset(ds, [21])) is not None
+    assert probe_overlap(Subset(ds, range(5)), _blobs(40)) is None  # another storage: not detectable
+    dm = tiny_dm(synthetic_size=200, probe_size=40)
+    dm.setup("fit")
+    assert probe_overlap(dm.probe_dataloader().dataset, dm.train_dataloader().dataset) is None
+    assert math.isfinite(len(dm.probe_dataloader().dataset))
