@@ -1,0 +1,203 @@
+"""LightningModules for growtrain, and the mixin that makes checkpoints growth-aware.
+
+Why a mixin: Lightning restores a checkpoint as module ``on_load_checkpoint`` → model
+``load_state_dict`` → callbacks' state. Callback state therefore arrives *after* the weights,
+so the grown architecture must be rebuilt by the module itself, from a plain-data growth
+record it stored (``checkpoint["growtrain"]["growth"]``). Plain data also keeps the
+checkpoint loadable with ``torch.load(weights_only=True)``, which ``LightningCLI`` uses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Sequence
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import nn
+from torch.nn import functional as F
+from torch.optim.lr_scheduler import ReduceLROnPlateau
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from growtrain.growable import find_growable, replay_growth
+from growtrain.models import cifar_resnet
+from growtrain.optim import param_groups, paper_sgd
+
+__all__ = ["GrowableModuleMixin", "ImageClassifier"]
+
+_ARCHS = {"cifar_resnet": cifar_resnet}
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Fail at save time, not at a later ``weights_only=True`` load, if a record is not plain data."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_plain(key, where)
+            _check_plain(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{where}[{i}]")
+    elif not isinstance(value, _PLAIN):
+        raise TypeError(
+            f"{where}: growth records must be plain data (dict/list/str/int/float/bool/None) so that "
+            f"checkpoints load with weights_only=True; got {type(value).__name__}. Store names, not objects."
+        )
+
+
+class GrowableModuleMixin:
+    """Save the growth record in checkpoints and replay it before the weights load.
+
+    Adopt it with one line, before ``LightningModule`` in the bases::
+
+        class MyModule(GrowableModuleMixin, LightningModule): ...
+
+    Then ``MyModule.load_from_checkpoint(path)`` and ``trainer.fit(ckpt_path=path)`` rebuild
+    the grown network first. The growable network is ``getattr(self, growable_attr)`` when
+    ``growable_attr`` is set, else the first submodule with ``sites()`` and ``grow()``. If
+    you override ``on_save_checkpoint``/``on_load_checkpoint``, call ``super()``.
+    """
+
+    growable_attr: str | None = None
+
+    @property
+    def growable_network(self) -> nn.Module:
+        if self.growable_attr is not None:
+            network = getattr(self, self.growable_attr, None)
+        else:
+            network = find_growable(self)
+        if network is None or not hasattr(network, "growth_log"):
+            where = f"self.{self.growable_attr}" if self.growable_attr else "any submodule"
+            # TypeError, not AttributeError: nn.Module.__getattr__ would swallow the latter.
+            raise TypeError(
+                f"growable_attr: {where} of {type(self).__name__} is not a growable network (needs sites(), "
+                "grow() and growth_log). Set `growable_attr = '<attribute name>'` on your module class."
+            )
+        return network
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)  # type: ignore[misc]
+        records = [dict(r) for r in self.growable_network.growth_log]
+        _check_plain(records, "growth_log")
+        checkpoint["growtrain"] = {"growth": records}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
+        records = checkpoint.get("growtrain", {}).get("growth", [])
+        # Inserts fresh blocks at the recorded sites, in order; load_state_dict fills them next.
+        replay_growth(self.growable_network, records)
+
+
+class ImageClassifier(GrowableModuleMixin, LightningModule):
+    """Cross-entropy image classifier around a growable network.
+
+    Args:
+        network: a ready network; ``None`` builds ``arch`` from the arguments below. A given
+            network is not saved in the hyper-parameters: pass it again to
+            ``load_from_checkpoint(path, network=...)``.
+        arch, blocks, width, family, added, in_channels, num_classes: the network
+            (``growtrain.models.cifar_resnet``'s arguments; ``num_classes`` also sizes the
+            accuracy metric).
+        optimizer: called with the param groups each time ``configure_optimizers`` runs;
+            ``None`` is the paper's SGD (lr 0.1, momentum 0.9, weight decay 5e-4).
+        lr_scheduler: called with the optimizer; ``ReduceLROnPlateau`` monitors ``train_loss``.
+        scheduler_interval: step the scheduler every ``"epoch"`` or every optimizer ``"step"``.
+        no_decay: ``"none"`` decays every parameter (the paper); ``"gpt"`` exempts biases,
+            norms and embeddings (see ``growtrain.optim.param_groups``).
+
+    Logs per epoch: ``train_loss``, ``train_acc``, ``val_loss``, ``val_acc``, ``test_loss``,
+    ``test_acc`` (sample-weighted means over the epoch); ``loss`` per step in the progress bar.
+    """
+
+    def __init__(
+        self,
+        network: nn.Module | None = None,
+        *,
+        arch: str = "cifar_resnet",
+        blocks: tuple[int, int, int] = (1, 1, 1),
+        width: int = 16,
+        family: str = "basic",
+        added: int = 0,
+        in_channels: int = 3,
+        num_classes: int = 10,
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        scheduler_interval: Literal["epoch", "step"] = "epoch",
+        no_decay: Literal["none", "gpt"] = "none",
+    ):
+        super().__init__()
+        self.save_hyperparameters(ignore=["network"])
+        # Callables given from Python are code, not data: keep them out of the checkpoint so it
+        # loads with weights_only=True. (LightningCLI passes their config as plain dicts.)
+        for key in ("optimizer", "lr_scheduler"):
+            if callable(self.hparams.get(key)):
+                del self.hparams[key]
+        if scheduler_interval not in ("epoch", "step"):
+            raise ValueError(f"scheduler_interval: expected 'epoch' or 'step', got {scheduler_interval!r}")
+        for name, value in (("num_classes", num_classes), ("in_channels", in_channels)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"{name}: expected a positive integer, got {value!r}. Under `growtrain fit` it comes from "
+                    f"the datamodule's `{name}` attribute: give your datamodule that attribute."
+                )
+        if network is None:
+            if arch not in _ARCHS:
+                raise ValueError(f"arch: unknown architecture {arch!r}; known: {sorted(_ARCHS)}")
+            network = _ARCHS[arch](tuple(blocks), width, family, in_channels, num_classes, added)
+        self.network = network
+        self.optimizer_factory = optimizer or paper_sgd
+        self.lr_scheduler_factory = lr_scheduler
+        self.scheduler_interval = scheduler_interval
+        # Read by growtrain.optim.groups_for_new_parameters, so blocks added mid-fit get the
+        # same group rule as configure_optimizers gives them on resume.
+        self.param_group_options = {"no_decay": no_decay}
+        self.metrics = nn.ModuleDict()
+        for stage in ("train", "val", "test"):
+            self.metrics[f"{stage}_loss"] = MeanMetric()
+            # micro average = plain accuracy (torchmetrics' default is macro)
+            self.metrics[f"{stage}_acc"] = MulticlassAccuracy(num_classes, average="micro")
+
+    # The growth callback scores candidate blocks with this loss (LanguageModel has the same
+    # method): the batch-mean cross-entropy, exactly what training minimises.
+    probe_loss = staticmethod(F.cross_entropy)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.network(x)
+
+    def _shared_step(self, batch: Sequence[torch.Tensor], stage: str) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)  # (B, num_classes)
+        loss = F.cross_entropy(logits, y)
+        self.metrics[f"{stage}_loss"].update(loss.detach(), weight=y.numel())
+        self.metrics[f"{stage}_acc"].update(logits.detach(), y)
+        self.log(f"{stage}_loss", self.metrics[f"{stage}_loss"], on_step=False, on_epoch=True, prog_bar=True)
+        self.log(f"{stage}_acc", self.metrics[f"{stage}_acc"], on_step=False, on_epoch=True)
+        return loss
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self._shared_step(batch, "train")
+        self.log("loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, logger=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self._shared_step(batch, "val")
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self._shared_step(batch, "test")
+
+    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(x)
+
+    def configure_optimizers(self):
+        # Re-run after growth or at resume: groups come from the current architecture, in a
+        # deterministic order, so resumed optimizer state lines up by position.
+        optimizer = self.optimizer_factory(param_groups(self.network, **self.param_group_options))
+        if self.lr_scheduler_factory is None:
+            return optimizer
+        scheduler = self.lr_scheduler_factory(optimizer)
+        config = {"scheduler": scheduler, "interval": self.scheduler_interval}
+        if isinstance(scheduler, ReduceLROnPlateau):
+            config["monitor"] = "train_loss"  # the paper selects on training loss, never on val/test
+        return {"optimizer": optimizer, "lr_scheduler": config}

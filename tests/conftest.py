@@ -1,0 +1,49 @@
+"""Shared tiny fixtures. Every test here must stay small: the CI machine may have 2 shared cores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from growtrain.data import ImageDataModule
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Measured on the shared 2-core machine under load: a width-4 ResNet step took ~2 s with
+    # torch's default 2 intra-op threads and ~30 ms with 1 (spinning threads fight the other
+    # processes). On an idle machine 1 thread costs these tiny tests almost nothing.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def tiny_data() -> ImageDataModule:
+    """256 learnable synthetic 8×8 RGB images in 4 classes: 192 train, 32 probe, 32 val."""
+    return ImageDataModule(
+        dataset="synthetic",
+        synthetic_size=256,
+        synthetic_classes=4,
+        image_size=8,
+        channels=3,
+        probe_size=32,
+        val_size=32,
+        batch_size=32,
+    )
+
+
+@pytest.fixture
+def quiet_trainer_kwargs(tmp_path) -> dict:
+    """Trainer settings for tests: CPU, no logger, no progress bar, files under tmp_path."""
+    return dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+    )

@@ -1,0 +1,115 @@
+"""`growtrain fit` through GrowtrainCLI, in-process, with the shipped configs shrunk to seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from growtrain.cli import GrowtrainCLI, main
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def tiny_fit_args(root: Path, *extra: str) -> list[str]:
+    return [
+        "fit",
+        f"--config={CONFIGS / 'quickstart.yaml'}",
+        "--trainer.max_epochs=1",
+        "--trainer.limit_train_batches=2",
+        "--trainer.limit_val_batches=1",
+        "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={root}",
+        "--data.dataset=synthetic",
+        "--data.synthetic_size=256",
+        "--data.synthetic_classes=4",
+        "--data.image_size=8",
+        "--data.probe_size=32",
+        "--data.val_size=32",
+        "--data.batch_size=32",
+        "--model.width=4",
+        *extra,
+    ]
+
+
+def test_fit_quickstart_config_tiny(tmp_path):
+    cli = GrowtrainCLI(args=tiny_fit_args(tmp_path))
+    assert cli.trainer.state.finished
+    # the datamodule decided the head and the stem (linked at instantiation)
+    assert cli.model.network.fc.out_features == 4 and cli.model.network.stem.in_channels == 3
+    checkpoints = {p.name for p in tmp_path.rglob("*.ckpt")}
+    assert checkpoints == {"last.ckpt", "best_train.ckpt"}
+    assert (tmp_path / "config.yaml").is_file()
+    hparams = torch.load(next(tmp_path.rglob("last.ckpt")), weights_only=True)["hyper_parameters"]
+    assert hparams["optimizer"]["class_path"] == "torch.optim.SGD"  # the config, as plain data
+
+    (grower,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "GrowUntilSaturated"]
+    assert len(grower.history) == 1  # one probe check, after the only epoch
+
+
+# Replaces the quickstart's callbacks: checkpoints as there, and a grower that must grow once
+# (paper rule, delta = 0 and a negligible t: grow as soon as any site has a gradient).
+FORCED_GROWTH = """
+trainer:
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {save_last: true, save_top_k: 0}
+    - class_path: growtrain.callback.GrowUntilSaturated
+      init_args: {rule: paper, t: 1.0e-9, delta: 0.0, max_growths: 1, verbose: false}
+"""
+
+
+def test_fit_grows_and_resumes_through_the_cli(tmp_path):
+    (tmp_path / "grow.yaml").write_text(FORCED_GROWTH)
+    grow = f"--config={tmp_path / 'grow.yaml'}"
+    cli = GrowtrainCLI(args=tiny_fit_args(tmp_path, grow))
+    grown = cli.model.network.growth_log
+    assert len(grown) == 1
+    # `fit --ckpt_path` loads with weights_only=True and must rebuild the grown network
+    last = next(tmp_path.rglob("last.ckpt"))
+    resumed = GrowtrainCLI(args=tiny_fit_args(tmp_path, grow, f"--ckpt_path={last}", "--trainer.max_epochs=2"))
+    assert resumed.trainer.current_epoch == 2
+    assert resumed.model.network.growth_log == grown
+    assert [g["name"] for g in resumed.trainer.optimizers[0].param_groups] == ["base", "growth0"]
+
+
+@pytest.mark.parametrize("where", ["flag", "abbreviation", "config"])
+def test_typo_in_a_key_is_a_parser_error(where, tmp_path, capsys):
+    typo = {"flag": "--trainer.max_epohcs=1", "abbreviation": "--trainer.max_epoch=1"}.get(where)
+    if where == "config":
+        (tmp_path / "typo.yaml").write_text("trainer:\n  max_epohcs: 1\n")
+        typo = f"--config={tmp_path / 'typo.yaml'}"
+    with pytest.raises(SystemExit) as error:
+        GrowtrainCLI(args=tiny_fit_args(tmp_path, typo))
+    assert error.value.code != 0
+    assert "max_epo" in capsys.readouterr().err
+
+
+def test_no_top_level_optimizer_key(tmp_path, capsys):
+    # LightningCLI's top-level optimizer would be built once and go stale after growth.
+    with pytest.raises(SystemExit):
+        GrowtrainCLI(args=tiny_fit_args(tmp_path, "--optimizer=torch.optim.Adam"))
+
+
+def test_resnet_config_is_the_paper_recipe():
+    cli = GrowtrainCLI(args=[f"--config={CONFIGS / 'resnet.yaml'}", "--trainer.logger=false"], run=False)
+    assert cli.trainer.max_epochs == 300 and cli.datamodule.batch_size == 128
+    assert cli.datamodule.dataset == "cifar10" and cli.model.network.fc.out_features == 10
+    config = cli.model.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    assert optimizer.defaults["lr"] == 0.1 and optimizer.defaults["momentum"] == 0.9
+    assert optimizer.defaults["weight_decay"] == 5e-4
+    assert dict(scheduler.milestones) == {100: 1, 150: 1} and scheduler.gamma == 0.1
+    (stopper,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "TrainLossEarlyStopping"]
+    assert (stopper.start_epoch, stopper.patience, abs(stopper.min_delta)) == (180, 30, 1e-4)
+    (checkpoint,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "ModelCheckpoint"]
+    assert (checkpoint.monitor, checkpoint.save_last, checkpoint.filename) == ("train_loss", True, "best_train")
+
+
+def test_help_exits_cleanly(capsys):
+    with pytest.raises(SystemExit) as error:
+        main(["fit", "--help"])
+    assert error.value.code == 0
+    assert "--model" in capsys.readouterr().out
