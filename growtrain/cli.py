@@ -35,7 +35,7 @@ __all__ = ["GrowtrainCLI", "main"]
 
 # Model arguments the datamodule decides (linked at instantiation; a model class without the
 # argument ignores the link, so e.g. a language model can use the same CLI).
-_LINKED = ("num_classes", "in_channels", "vocab_size")
+_LINKED = ("num_classes", "in_channels")
 
 
 class GrowtrainCLI(LightningCLI):

@@ -142,6 +142,16 @@ class LanguageModel(GrowableModuleMixin, LightningModule):
     def test_step(self, batch, batch_idx: int) -> None:
         self._shared_step(batch, "test")
 
+    def setup(self, stage: str) -> None:
+        # A token id ≥ vocab_size would index past the embedding: fail before training, with the fix.
+        data_vocab = getattr(getattr(self.trainer, "datamodule", None), "vocab_size", None)
+        model_vocab = self.network.config.vocab_size if hasattr(self.network, "config") else None
+        if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
+            raise ValueError(
+                f"vocab_size: the datamodule's tokenizer has {data_vocab} tokens but the model's embedding has "
+                f"{model_vocab}; set model vocab_size to {data_vocab} (or use tokenizer: byte, 256 tokens)"
+            )
+
     def configure_optimizers(self):
         # Re-run after growth or at resume: groups come from the current architecture, in a
         # deterministic order, so resumed optimizer state lines up by position.
