@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import subprocess
 import sys
 import time
 
@@ -70,16 +71,6 @@ OPS = {
 }
 
 
-def timed(op, state, args):
-    times = []
-    op(*state, args)  # warm-up
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        op(*state, args)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _status_kib(field):
     with open("/proc/self/status") as f:
         for line in f:
@@ -88,16 +79,19 @@ def _status_kib(field):
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def peak_memory(op, state, args):
-    """KiB by which ``op`` raises the resident set above where it started."""
-    import gc
+def peak_memory(name, args):
+    """KiB by which operation ``name`` raises the peak resident set of a fresh process."""
+    cmd = [sys.executable, __file__, "--memory-of", name, "--blocks", *map(str, args.blocks), "--width",
+           str(args.width), "--family", args.family, "--n", str(args.n), "--batch", str(args.batch)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return int(out.strip().splitlines()[-1])
 
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    base = _status_kib("VmRSS")
-    op(*state, args)
-    return _status_kib("VmHWM") - base
+
+def memory_child(args):
+    state = build(args)
+    base = _status_kib("VmHWM")
+    OPS[args.memory_of](*state, args)
+    print(_status_kib("VmHWM") - base)
 
 
 def main():
@@ -109,21 +103,29 @@ def main():
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--skip-naive", action="store_true")
+    p.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.memory_of:
+        return memory_child(args)
 
     state = build(args)
     sites = len(state[0].sites())
     print(f"cifar_resnet{tuple(args.blocks)} w={args.width} {args.family}: {sites} sites, n={args.n}, batch {args.batch}, "
           f"torch threads {torch.get_num_threads()}, median of {args.repeats}")
-    rows = []
     ops = [k for k in OPS if not (args.skip_naive and k == "naive_per_site")]
-    base_t = base_m = None
+    # Interleave the repeats (A B C A B C ...) so that load from other processes hits every
+    # operation alike: the ratios, not the absolute times, are the result.
+    times = {name: [] for name in ops}
     for name in ops:
-        t = timed(OPS[name], state, args)
-        mem = peak_memory(OPS[name], state, args)
-        if name == "train_step":
-            base_t, base_m = t, max(mem, 1)
-        rows.append((name, t, t / base_t, mem / 1024, mem / base_m))
+        OPS[name](*state, args)  # warm-up
+    for _ in range(args.repeats):
+        for name in ops:
+            t0 = time.perf_counter()
+            OPS[name](*state, args)
+            times[name].append(time.perf_counter() - t0)
+    mems = {name: peak_memory(name, args) for name in ops}
+    base_t, base_m = statistics.median(times["train_step"]), max(mems["train_step"], 1)
+    rows = [(n, statistics.median(times[n]), statistics.median(times[n]) / base_t, mems[n] / 1024, mems[n] / base_m) for n in ops]
     print(f"| operation | median s | × train fwd+bwd | peak MiB | × train peak |")
     print(f"|---|---|---|---|---|")
     for name, t, rt, m, rm in rows:

@@ -162,6 +162,21 @@ def _restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
         m.training = training
 
 
+@contextmanager
+def _frozen(network: nn.Module):
+    """Parameters need no gradient in the probe (only the site activations do): with them
+    frozen, layers stop saving inputs for weight gradients, which lowers the pass's memory.
+    The graph then starts at the first site (see ``capture``)."""
+    flags = [(p, p.requires_grad) for p in network.parameters()]
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
 # -- hooks ---------------------------------------------------------------------------------
 @contextmanager
 def _site_hooks(network: nn.Module, sites: list[Site], on_activation: Callable[[int, torch.Tensor], Any]):
@@ -530,9 +545,10 @@ def measure_saturation(
             calibrate_candidates(network, candidates, calibration, autocast_dtype=autocast_dtype, sync_fn=sync_fn)
         network.eval()
         try:
-            accs, n, batches = _probe_pass(
-                network, sites, candidates, probe_loader, loss_fn, device, projected, autocast_dtype, crossfit
-            )
+            with _frozen(network):
+                accs, n, batches = _probe_pass(
+                    network, sites, candidates, probe_loader, loss_fn, device, projected, autocast_dtype, crossfit
+                )
         finally:
             _restore_modes(modes)
 
