@@ -26,8 +26,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
 from growtrain.models.gpt import GPT, GPTConfig
-from growtrain.module import GrowableModuleMixin
-from growtrain.optim import param_groups
+from growtrain.module import ConfiguredOptimizerMixin, GrowableModuleMixin
 
 __all__ = ["LanguageModel", "gpt2_adamw", "token_cross_entropy"]
 
@@ -49,7 +48,7 @@ def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1))
 
 
-class LanguageModel(GrowableModuleMixin, LightningModule):
+class LanguageModel(GrowableModuleMixin, ConfiguredOptimizerMixin, LightningModule):
     """Causal language model around a growable decoder.
 
     Args:
@@ -92,24 +91,10 @@ class LanguageModel(GrowableModuleMixin, LightningModule):
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["network"])
-        # Callables given from Python are code, not data: keep them out of the checkpoint so it
-        # loads with weights_only=True. (LightningCLI passes their config as plain dicts.)
-        for key in ("optimizer", "lr_scheduler"):
-            if callable(self.hparams.get(key)):
-                del self.hparams[key]
-        if scheduler_interval not in ("epoch", "step"):
-            raise ValueError(f"scheduler_interval: expected 'epoch' or 'step', got {scheduler_interval!r}")
-        if no_decay not in ("none", "gpt"):
-            raise ValueError(f"no_decay: expected 'none' or 'gpt', got {no_decay!r}")
+        self._set_optimization(optimizer, lr_scheduler, scheduler_interval, no_decay, gpt2_adamw)
         if network is None:
             network = GPT(GPTConfig(n_layer, d_model, n_head, block_size, vocab_size, dropout, bias))
         self.network = network
-        self.optimizer_factory = optimizer or gpt2_adamw
-        self.lr_scheduler_factory = lr_scheduler
-        self.scheduler_interval = scheduler_interval
-        # Read by growtrain.optim.groups_for_new_parameters, so blocks added mid-fit get the
-        # same group rule as configure_optimizers gives them on resume.
-        self.param_group_options = {"no_decay": no_decay}
         self.metrics = nn.ModuleDict()
         for stage in ("train", "val", "test"):
             self.metrics[f"{stage}_loss"] = MeanMetric()
@@ -151,12 +136,3 @@ class LanguageModel(GrowableModuleMixin, LightningModule):
                 f"vocab_size: the datamodule's tokenizer has {data_vocab} tokens but the model's embedding has "
                 f"{model_vocab}; set model vocab_size to {data_vocab} (or use tokenizer: byte, 256 tokens)"
             )
-
-    def configure_optimizers(self):
-        # Re-run after growth or at resume: groups come from the current architecture, in a
-        # deterministic order, so resumed optimizer state lines up by position.
-        optimizer = self.optimizer_factory(param_groups(self.network, **self.param_group_options))
-        if self.lr_scheduler_factory is None:
-            return optimizer
-        scheduler = self.lr_scheduler_factory(optimizer)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler_interval}}

@@ -24,7 +24,7 @@ from growtrain.growable import find_growable, replay_growth
 from growtrain.models import cifar_resnet
 from growtrain.optim import param_groups, paper_sgd
 
-__all__ = ["GrowableModuleMixin", "ImageClassifier"]
+__all__ = ["ConfiguredOptimizerMixin", "GrowableModuleMixin", "ImageClassifier"]
 
 _ARCHS = {"cifar_resnet": cifar_resnet}
 _PLAIN = (str, int, float, bool, type(None))
@@ -89,7 +89,43 @@ class GrowableModuleMixin:
         replay_growth(self.growable_network, records)
 
 
-class ImageClassifier(GrowableModuleMixin, LightningModule):
+class ConfiguredOptimizerMixin:
+    """Optimizer and scheduler built from injected factories over growth-aware param groups.
+
+    ``configure_optimizers`` runs at fit start and again at resume (after the growth replay):
+    the groups come from the current architecture in a deterministic order (base, then one set
+    per growth), so resumed optimizer state lines up by position.
+    """
+
+    def _set_optimization(self, optimizer, lr_scheduler, scheduler_interval, no_decay, default_optimizer) -> None:
+        # Callables given from Python are code, not data: keep them out of the checkpoint so it
+        # loads with weights_only=True. (LightningCLI passes their config as plain dicts.)
+        for key in ("optimizer", "lr_scheduler"):
+            if callable(self.hparams.get(key)):
+                del self.hparams[key]
+        if scheduler_interval not in ("epoch", "step"):
+            raise ValueError(f"scheduler_interval: expected 'epoch' or 'step', got {scheduler_interval!r}")
+        if no_decay not in ("none", "gpt"):
+            raise ValueError(f"no_decay: expected 'none' or 'gpt', got {no_decay!r}")
+        self.optimizer_factory = optimizer or default_optimizer
+        self.lr_scheduler_factory = lr_scheduler
+        self.scheduler_interval = scheduler_interval
+        # Read by growtrain.optim.groups_for_new_parameters, so blocks added mid-fit get the
+        # same group rule as configure_optimizers gives them on resume.
+        self.param_group_options = {"no_decay": no_decay}
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(param_groups(self.network, **self.param_group_options))
+        if self.lr_scheduler_factory is None:
+            return optimizer
+        scheduler = self.lr_scheduler_factory(optimizer)
+        config = {"scheduler": scheduler, "interval": self.scheduler_interval}
+        if isinstance(scheduler, ReduceLROnPlateau):
+            config["monitor"] = "train_loss"  # the paper selects on training loss, never on val/test
+        return {"optimizer": optimizer, "lr_scheduler": config}
+
+
+class ImageClassifier(GrowableModuleMixin, ConfiguredOptimizerMixin, LightningModule):
     """Cross-entropy image classifier around a growable network.
 
     Args:
@@ -128,13 +164,7 @@ class ImageClassifier(GrowableModuleMixin, LightningModule):
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["network"])
-        # Callables given from Python are code, not data: keep them out of the checkpoint so it
-        # loads with weights_only=True. (LightningCLI passes their config as plain dicts.)
-        for key in ("optimizer", "lr_scheduler"):
-            if callable(self.hparams.get(key)):
-                del self.hparams[key]
-        if scheduler_interval not in ("epoch", "step"):
-            raise ValueError(f"scheduler_interval: expected 'epoch' or 'step', got {scheduler_interval!r}")
+        self._set_optimization(optimizer, lr_scheduler, scheduler_interval, no_decay, paper_sgd)
         for name, value in (("num_classes", num_classes), ("in_channels", in_channels)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(
@@ -146,12 +176,6 @@ class ImageClassifier(GrowableModuleMixin, LightningModule):
                 raise ValueError(f"arch: unknown architecture {arch!r}; known: {sorted(_ARCHS)}")
             network = _ARCHS[arch](tuple(blocks), width, family, in_channels, num_classes, added)
         self.network = network
-        self.optimizer_factory = optimizer or paper_sgd
-        self.lr_scheduler_factory = lr_scheduler
-        self.scheduler_interval = scheduler_interval
-        # Read by growtrain.optim.groups_for_new_parameters, so blocks added mid-fit get the
-        # same group rule as configure_optimizers gives them on resume.
-        self.param_group_options = {"no_decay": no_decay}
         self.metrics = nn.ModuleDict()
         for stage in ("train", "val", "test"):
             self.metrics[f"{stage}_loss"] = MeanMetric()
@@ -189,15 +213,3 @@ class ImageClassifier(GrowableModuleMixin, LightningModule):
     def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
         return self(x)
-
-    def configure_optimizers(self):
-        # Re-run after growth or at resume: groups come from the current architecture, in a
-        # deterministic order, so resumed optimizer state lines up by position.
-        optimizer = self.optimizer_factory(param_groups(self.network, **self.param_group_options))
-        if self.lr_scheduler_factory is None:
-            return optimizer
-        scheduler = self.lr_scheduler_factory(optimizer)
-        config = {"scheduler": scheduler, "interval": self.scheduler_interval}
-        if isinstance(scheduler, ReduceLROnPlateau):
-            config["monitor"] = "train_loss"  # the paper selects on training loss, never on val/test
-        return {"optimizer": optimizer, "lr_scheduler": config}

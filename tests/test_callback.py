@@ -38,14 +38,6 @@ from growtrain.module import GrowableModuleMixin, ImageClassifier
 from growtrain.optim import param_groups
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_dm(**kw) -> ImageDataModule:
     args = dict(dataset="synthetic", image_size=8, synthetic_size=600, synthetic_classes=4, probe_size=200,
                 val_size=50, batch_size=32, augment=False)  # fmt: skip

@@ -29,14 +29,6 @@ from growtrain.reconfigure import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _net(family: str = "preact") -> nn.Module:
     torch.manual_seed(0)
     return cifar_resnet(width=4, family=family, num_classes=3)

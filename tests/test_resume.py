@@ -24,14 +24,6 @@ from growtrain.data.datamodule import _as_batch
 from growtrain.module import ImageClassifier
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 class EpochSampler(Sampler[int]):
     """A shuffle that depends on the epoch only (Lightning calls ``set_epoch``)."""
 
