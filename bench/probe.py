@@ -126,8 +126,8 @@ def main():
     mems = {name: peak_memory(name, args) for name in ops}
     base_t, base_m = statistics.median(times["train_step"]), max(mems["train_step"], 1)
     rows = [(n, statistics.median(times[n]), statistics.median(times[n]) / base_t, mems[n] / 1024, mems[n] / base_m) for n in ops]
-    print(f"| operation | median s | × train fwd+bwd | peak MiB | × train peak |")
-    print(f"|---|---|---|---|---|")
+    print("| operation | median s | × train fwd+bwd | peak MiB | × train peak |")
+    print("|---|---|---|---|---|")
     for name, t, rt, m, rm in rows:
         print(f"| {name} | {t:.3f} | {rt:.2f} | {m:.0f} | {rm:.2f} |")
 

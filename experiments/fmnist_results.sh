@@ -3,7 +3,7 @@
 # images (train_subset), 2,000 probe images, the official 10,000 test images, width-8 ResNets.
 # Budget chosen to finish in about 45 minutes on 2 CPU cores; every command is a plain `growtrain`
 # call with overrides, so each can be rerun on its own (they resume finished rows).
-#   bash experiments/fmnist_results.sh [table1|sweep|growth|all]
+#   bash experiments/fmnist_results.sh [table1|sweep|growth|gpt|all]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-runs/results}
@@ -43,4 +43,12 @@ if [[ $what == growth || $what == all ]]; then
         --trainer.default_root_dir=$OUT/growth_$rule/seed$seed --trainer.enable_progress_bar=false
     done
   done
+fi
+
+if [[ $what == gpt || $what == all ]]; then
+  # Issue 6: the decoder's Figure 1 analogue on the stdlib corpus (bytes): n_layer = 1..4 from
+  # scratch, 400 optimizer steps each on the first 400k characters; loss, AG_max and Γ̂ per depth.
+  growtrain sweep --config configs/gpt.yaml --depths=1..4 --trainer.max_epochs=4 \
+    --data.init_args.max_chars=400000 \
+    --output_dir=$OUT/gpt_sweep --trainer.default_root_dir=$OUT/gpt_sweep
 fi

@@ -129,3 +129,38 @@ def test_typo_is_a_parser_error(tmp_path, capsys):
     assert error.value.code != 0
     err = capsys.readouterr().err
     assert "oops" in err and "error" in err.lower()
+
+
+TINY_GPT = """
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 1
+  max_epochs: 1
+  limit_train_batches: 2
+  limit_val_batches: 1
+  limit_test_batches: 1
+  num_sanity_val_steps: 0
+  enable_progress_bar: false
+  enable_model_summary: false
+  default_root_dir: {root}
+model:
+  class_path: growtrain.lm.LanguageModel
+  init_args: {{n_layer: 1, d_model: 16, n_head: 2, block_size: 8, vocab_size: 256}}
+data:
+  class_path: growtrain.data.TextDataModule
+  init_args: {{path: {corpus}, tokenizer: byte, block_size: 8, batch_size: 4, probe_fraction: 0.2,
+              val_fraction: 0.1, test_fraction: 0.1}}
+"""
+
+
+def test_sweep_runs_on_a_language_model_config(tmp_path):
+    # The CLI links the datamodule's num_classes/in_channels into every model; a LanguageModel
+    # has neither, and rebuilding it at another depth must not pass them on.
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 200)
+    config = tmp_path / "gpt.yaml"
+    config.write_text(TINY_GPT.format(root=tmp_path / "root", corpus=corpus))
+    GrowtrainCLI(args=["sweep", "--config", str(config), "--depths=1..2", f"--output_dir={tmp_path / 'out'}"])
+    saved = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert [r["depth"] for r in saved["rows"]] == [1, 2] and all(r["ag_max"] > 0 for r in saved["rows"])

@@ -102,6 +102,12 @@ def rebuild_module(model: LightningModule, module_factory: ModuleFactory | None 
     hp = _hparams(model)
     instantiator = hp.pop("_instantiator", None)
     hp.update(overrides)
+    # The CLI links the datamodule's num_classes/in_channels into every model; a model class
+    # without those arguments is saved with them as None (e.g. a LanguageModel), and
+    # re-instantiation would pass them on. They carry no configuration: drop them.
+    accepted = inspect.signature(type(model).__init__).parameters
+    for key in [k for k, v in hp.items() if v is None and k not in accepted]:
+        del hp[key]
     if instantiator == _CLI_INSTANTIATOR:
         from lightning.pytorch.cli import instantiate_module
         from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters_context
