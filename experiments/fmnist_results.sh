@@ -11,9 +11,9 @@ COMMON_DATA="--data.init_args.train_subset=10000 --data.init_args.probe_size=200
 what=${1:-all}
 
 if [[ $what == sweep || $what == all ]]; then
-  # Figure 1: depth N = 0..4 added blocks, trained from scratch, 3 seeds; AG_max and Γ̂ per depth.
+  # Figure 1: depth N = 0..6 added blocks, trained from scratch, 3 seeds; AG_max and Γ̂ per depth.
   for seed in 0 1 2; do
-    growtrain sweep --config configs/fmnist/figure1.yaml --depths=0..4 --seed=$seed \
+    growtrain sweep --config configs/fmnist/figure1.yaml --depths=0..6 --seed=$seed \
       --model.init_args.width=8 $COMMON_DATA --trainer.max_epochs=6 \
       --model.init_args.lr_scheduler.init_args.milestones=[3,5] \
       --output_dir=$OUT/sweep_seed$seed --trainer.default_root_dir=$OUT/sweep_seed$seed

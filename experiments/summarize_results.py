@@ -101,12 +101,21 @@ def main():
     print_sweep(by_depth)
     print("\n## Growth from ResNet-8, per rule\n")
     print_growth(out, by_depth)
+    gpt = out / "gpt_sweep" / "runs.jsonl"
+    if gpt.exists():
+        print("\n## Decoder sweep (stdlib corpus, bytes)\n")
+        print("| decoder blocks | train loss | test loss | AG_max | Γ̂ | δ+t (paper) |")
+        print("|---|---|---|---|---|---|")
+        for line in gpt.read_text().splitlines():
+            r = json.loads(line)
+            print(f"| {r['blocks']} | {r['train_loss']:.4f} | {r['test_loss']:.4f} | {r['ag_max']:.4f} | {r['gamma']:.4f} | {r['threshold']:.4f} |")
     table = out / "table1" / "compare.md"
     if table.exists():
         print("\n## Table 1 protocol\n")
         print(table.read_text())
     for src, name in [
         (out / "sweep_seed0" / "sweep.png", "sweep_seed0.png"),
+        (out / "gpt_sweep" / "sweep.png", "gpt_sweep.png"),
         (next(iter(sorted(out.glob("growth_crossfit/seed0/lightning_logs/version_*/gamma_trace.png"))), None), "gamma_trace_crossfit_seed0.png"),
         (next(iter(sorted(out.glob("growth_paper/seed0/lightning_logs/version_*/gamma_trace.png"))), None), "gamma_trace_paper_seed0.png"),
     ]:

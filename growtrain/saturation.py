@@ -560,22 +560,45 @@ def measure_saturation(
 
 
 def _probe_pass(network, sites, candidates, loader, loss_fn, device, projected, autocast_dtype, crossfit):
+    """Stream the probe batches; per batch one forward and one backward score every site.
+
+    The forward keeps only a reference to each site's activation ``z`` (autograd saves it for
+    the next block anyway); the features ``φ(z)`` are computed in a gradient hook on ``z``,
+    the moment ``q`` arrives, and dropped after the site's sums are updated — so no site's
+    features wait in memory for the whole backward pass.
+    """
     accs = [_SiteAccumulator(candidates[s.name], projected) for s in sites]
-    captured: list = [None] * len(sites)
+    activations: list = [None] * len(sites)
+    scored = [False] * len(sites)
+    batch = {"index": 0, "size": 0, "offset": 0}
+
+    def score(j: int, z: torch.Tensor, grad: torch.Tensor) -> None:
+        with torch.no_grad():
+            grad = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+            if not torch.isfinite(grad).all():
+                raise FloatingPointError(
+                    f"probe batch {batch['index']}: non-finite activation gradient at site {sites[j].name}; "
+                    "no decision was made"
+                )
+            with _autocast(device, autocast_dtype):
+                feats = accs[j].features(z.detach())
+            q = grad * batch["size"]  # per-sample activation gradients (the loss is a batch mean)
+            xi = accs[j].update(feats, q, grad)
+            if crossfit is not None:
+                crossfit.update(j, xi, batch["offset"])
+        scored[j] = True
 
     def capture(j, z):
         replaced = None
-        if not z.requires_grad:  # e.g. a frozen stem: start the graph here
+        if not z.requires_grad:  # parameters are frozen: the graph starts at the first site
             z = replaced = z.detach().requires_grad_(True)
-        with torch.no_grad():
-            feats = accs[j].features(z.detach())
-        captured[j] = (z, feats)
+        z.register_hook(lambda grad, j=j, z=z: score(j, z, grad))
+        activations[j] = z
         return replaced
 
     n = batches = 0
     with _site_hooks(network, sites, capture):
-        for b, batch in enumerate(loader):
-            x, y = _split_batch(batch)
+        for b, (x, y) in enumerate(map(_split_batch, loader)):
             x, y = _to_device(x, device), _to_device(y, device)
             with _autocast(device, autocast_dtype):
                 loss = loss_fn(network(x), y)
@@ -583,23 +606,14 @@ def _probe_pass(network, sites, candidates, loader, loss_fn, device, projected, 
                 raise ValueError(f"loss_fn: expected a scalar mean loss, got shape {tuple(loss.shape)}")
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"probe batch {b}: the loss is {loss.item()}; no decision was made")
-            zs = [c[0] for c in captured]
-            grads = torch.autograd.grad(loss, zs, allow_unused=True)
-            size = _batch_size(y)
-            for j, (grad, (z, feats)) in enumerate(zip(grads, captured)):
-                if grad is None:
-                    grad = torch.zeros_like(z)
-                grad = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
-                if not torch.isfinite(grad).all():
-                    raise FloatingPointError(
-                        f"probe batch {b}: non-finite activation gradient at site {sites[j].name}; no decision was made"
-                    )
-                q = grad * size  # per-sample activation gradients (the loss is a batch mean)
-                xi = accs[j].update(feats, q, grad)
-                if crossfit is not None:
-                    crossfit.update(j, xi, n)
-            captured[:] = [None] * len(sites)
-            n += size
+            batch.update(index=b, size=_batch_size(y), offset=n)
+            scored[:] = [False] * len(sites)
+            torch.autograd.grad(loss, activations, allow_unused=True)  # the hooks do the scoring
+            for j in range(len(sites)):
+                if not scored[j]:  # the loss does not depend on this site: its gradient is zero
+                    score(j, activations[j], torch.zeros_like(activations[j]))
+            activations[:] = [None] * len(sites)
+            n += batch["size"]
             batches += 1
     if n == 0:
         raise ValueError("probe_loader: it yielded no batches; pass a non-empty probe sample")
