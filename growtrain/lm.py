@@ -26,7 +26,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
 from growtrain.models.gpt import GPT, GPTConfig
-from growtrain.module import ConfiguredOptimizerMixin, GrowableModuleMixin
+from growtrain.module import ConfiguredOptimizerMixin, GrowableModuleMixin, SharedStepsMixin
 
 __all__ = ["LanguageModel", "gpt2_adamw", "token_cross_entropy"]
 
@@ -48,7 +48,7 @@ def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1))
 
 
-class LanguageModel(GrowableModuleMixin, ConfiguredOptimizerMixin, LightningModule):
+class LanguageModel(GrowableModuleMixin, ConfiguredOptimizerMixin, SharedStepsMixin, LightningModule):
     """Causal language model around a growable decoder.
 
     Args:
@@ -115,17 +115,6 @@ class LanguageModel(GrowableModuleMixin, ConfiguredOptimizerMixin, LightningModu
         self.log(f"{stage}_loss", self.metrics[f"{stage}_loss"], on_step=False, on_epoch=True, prog_bar=True)
         self.log(f"{stage}_ppl", self.metrics[f"{stage}_ppl"], on_step=False, on_epoch=True)
         return loss
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        loss = self._shared_step(batch, "train")
-        self.log("loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, logger=False)
-        return loss
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        self._shared_step(batch, "val")
-
-    def test_step(self, batch, batch_idx: int) -> None:
-        self._shared_step(batch, "test")
 
     def setup(self, stage: str) -> None:
         # A token id ≥ vocab_size would index past the embedding: fail before training, with the fix.

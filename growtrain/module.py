@@ -24,7 +24,7 @@ from growtrain.growable import find_growable, replay_growth
 from growtrain.models import cifar_resnet
 from growtrain.optim import param_groups, paper_sgd
 
-__all__ = ["ConfiguredOptimizerMixin", "GrowableModuleMixin", "ImageClassifier"]
+__all__ = ["ConfiguredOptimizerMixin", "GrowableModuleMixin", "ImageClassifier", "SharedStepsMixin"]
 
 _ARCHS = {"cifar_resnet": cifar_resnet}
 _PLAIN = (str, int, float, bool, type(None))
@@ -125,7 +125,22 @@ class ConfiguredOptimizerMixin:
         return {"optimizer": optimizer, "lr_scheduler": config}
 
 
-class ImageClassifier(GrowableModuleMixin, ConfiguredOptimizerMixin, LightningModule):
+class SharedStepsMixin:
+    """``training/validation/test_step`` that delegate to the module's ``_shared_step(batch, stage)``."""
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self._shared_step(batch, "train")
+        self.log("loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, logger=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self._shared_step(batch, "val")
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self._shared_step(batch, "test")
+
+
+class ImageClassifier(GrowableModuleMixin, ConfiguredOptimizerMixin, SharedStepsMixin, LightningModule):
     """Cross-entropy image classifier around a growable network.
 
     Args:
@@ -198,17 +213,6 @@ class ImageClassifier(GrowableModuleMixin, ConfiguredOptimizerMixin, LightningMo
         self.log(f"{stage}_loss", self.metrics[f"{stage}_loss"], on_step=False, on_epoch=True, prog_bar=True)
         self.log(f"{stage}_acc", self.metrics[f"{stage}_acc"], on_step=False, on_epoch=True)
         return loss
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        loss = self._shared_step(batch, "train")
-        self.log("loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, logger=False)
-        return loss
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        self._shared_step(batch, "val")
-
-    def test_step(self, batch, batch_idx: int) -> None:
-        self._shared_step(batch, "test")
 
     def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
