@@ -16,7 +16,7 @@ def tiny_fit_args(root: Path, *extra: str) -> list[str]:
     return [
         "fit",
         f"--config={CONFIGS / 'quickstart.yaml'}",
-        "--trainer.max_epochs=1",
+        "--trainer.max_epochs=3",  # the quickstart checks every 3 epochs
         "--trainer.limit_train_batches=2",
         "--trainer.limit_val_batches=1",
         "--trainer.logger=false",
@@ -46,7 +46,7 @@ def test_fit_quickstart_config_tiny(tmp_path):
     assert hparams["optimizer"]["class_path"] == "torch.optim.SGD"  # the config, as plain data
 
     (grower,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "GrowUntilSaturated"]
-    assert len(grower.history) == 1  # one probe check, after the only epoch
+    assert len(grower.history) == 1  # one probe check, after the third epoch
 
 
 # Replaces the quickstart's callbacks: checkpoints as there, and a grower that must grow once
@@ -69,8 +69,8 @@ def test_fit_grows_and_resumes_through_the_cli(tmp_path):
     assert len(grown) == 1
     # `fit --ckpt_path` loads with weights_only=True and must rebuild the grown network
     last = next(tmp_path.rglob("last.ckpt"))
-    resumed = GrowtrainCLI(args=tiny_fit_args(tmp_path, grow, f"--ckpt_path={last}", "--trainer.max_epochs=2"))
-    assert resumed.trainer.current_epoch == 2
+    resumed = GrowtrainCLI(args=tiny_fit_args(tmp_path, grow, f"--ckpt_path={last}", "--trainer.max_epochs=4"))
+    assert resumed.trainer.current_epoch == 4
     assert resumed.model.network.growth_log == grown
     assert [g["name"] for g in resumed.trainer.optimizers[0].param_groups] == ["base", "growth0"]
 
