@@ -13,7 +13,6 @@ This module imports no Lightning.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -261,8 +260,3 @@ class GrowableStack(GrowableMixin, nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
-
-
-def clone_block(block: nn.Module) -> nn.Module:
-    """A deep copy of a candidate block (e.g. to insert the scored block twice in a test)."""
-    return copy.deepcopy(block)

@@ -297,17 +297,7 @@ class ImageDataModule(lightning.LightningDataModule):
         return {"split": self._split_key()}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        saved = state_dict.get("split")
-        if saved is None or saved == self._split_key():
-            return
-        msg = (
-            f"datamodule split: the checkpoint was trained with {saved}, this datamodule has "
-            f"{self._split_key()}. A different split can put probe images into training and "
-            "void the growth certificate. Fix: use the checkpoint's dataset/seed/sizes."
-        )
-        if self.trainer is not None and self.trainer.state.fn == "fit":
-            raise ValueError(msg)
-        rank_zero_warn(msg)  # evaluating elsewhere is fine; resuming training is not
+        check_resumed_split(self, state_dict.get("split"), "images", "dataset/seed/sizes")
 
 
 def _need_root(root: str | None) -> Path:
@@ -343,3 +333,19 @@ class SyntheticImageDataModule(ImageDataModule):
             channels=channels, synthetic_size=synthetic_size, synthetic_classes=synthetic_classes,
         )  # fmt: skip
         self.save_hyperparameters()
+
+
+def check_resumed_split(datamodule, saved, units: str, fix: str) -> None:
+    """Refuse to resume training on a different split than the checkpoint's (probe data could
+    leak into training); only warn when evaluating."""
+    current = datamodule._split_key()
+    if saved is None or saved == current:
+        return
+    msg = (
+        f"datamodule split: the checkpoint was trained with {saved}, this datamodule has {current}. "
+        f"A different split can put probe {units} into training and void the growth certificate. "
+        f"Fix: use the checkpoint's {fix}."
+    )
+    if datamodule.trainer is not None and datamodule.trainer.state.fn == "fit":
+        raise ValueError(msg)
+    rank_zero_warn(msg)  # evaluating elsewhere is fine; resuming training is not

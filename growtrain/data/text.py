@@ -39,9 +39,9 @@ from typing import Iterator, Literal, Sequence
 import lightning
 import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .datamodule import check_resumed_split
 from .formats import DatasetNotFoundError
 
 __all__ = [
@@ -420,14 +420,6 @@ class TextDataModule(lightning.LightningDataModule):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        saved = state_dict.get("split")
-        if saved is None or saved == self._split_key():
-            return
-        msg = (
-            f"datamodule split: the checkpoint was trained on a corpus/split {saved}, this datamodule has "
-            f"{self._split_key()}. A different corpus or split can put probe tokens into training and void "
-            "the growth certificate. Fix: use the checkpoint's path, tokenizer, max_chars, block_size and fractions."
+        check_resumed_split(
+            self, state_dict.get("split"), "tokens", "path, tokenizer, max_chars, block_size and fractions"
         )
-        if self.trainer is not None and self.trainer.state.fn == "fit":
-            raise ValueError(msg)
-        rank_zero_warn(msg)
