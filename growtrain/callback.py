@@ -331,27 +331,30 @@ class ProbeView:
 
     def __init__(self, module: nn.Module, network: nn.Module):
         self.module, self.network = module, network
-        self.training = True
-        self._saved: list[tuple[nn.Module, bool]] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
+    # Modes and parameters are the whole module's: ``measure_saturation`` saves every
+    # submodule's mode and ``requires_grad`` flag through these and restores them afterwards,
+    # so an encoder's BatchNorm or a head's Dropout outside the trunk is back in train mode
+    # after a check (they stayed in eval for the rest of the fit when these reached only the trunk).
+    def modules(self):
+        return self.module.modules()
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
     def eval(self) -> "ProbeView":
-        return self.train(False)
+        self.module.eval()
+        return self
 
     def train(self, mode: bool = True) -> "ProbeView":
-        if not mode:
-            if self._saved is None:
-                self._saved = [(m, m.training) for m in self.module.modules()]
-            self.module.eval()
-        elif self._saved is not None:
-            for m, was in self._saved:
-                m.training = was
-            self._saved = None
-        else:
-            self.module.train(True)
-        self.training = mode
+        self.module.train(mode)
         return self
 
     def __getattr__(self, name: str) -> Any:  # sites, stage, new_block, neighbour_tensor, ...
@@ -410,11 +413,13 @@ def _to(obj: Any, device: torch.device) -> Any:
 
 @torch.no_grad()
 def _eval_output(view: ProbeView, x: Any) -> torch.Tensor:
+    modes = [(m, m.training) for m in view.modules()]
     view.eval()
     try:
         out = view(x)
     finally:
-        view.train(True)
+        for m, was in modes:
+            m.training = was
     return out if isinstance(out, torch.Tensor) else out[0]
 
 

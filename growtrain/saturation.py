@@ -312,9 +312,11 @@ class _SiteAccumulator:
         self.projected = projected
         self.fast = hasattr(block, "probe_features")
         self.sum_xi: torch.Tensor | None = None  # Σ ξ_i
-        self.sum_sq = torch.zeros((), dtype=torch.float64)  # Σ ‖ξ_i‖²
-        self.sum_q_sq = torch.zeros((), dtype=torch.float64)  # Σ ‖q_i‖²
-        self.sum_batch_norm = torch.zeros((), dtype=torch.float64)  # Σ_b ‖∇_H L_b‖
+        # Scalar sums start as Python floats' tensors on the first update's device (CUDA or CPU):
+        # a CPU accumulator added to CUDA norms crashed the first check on a GPU.
+        self.sum_sq: torch.Tensor | float = 0.0  # Σ ‖ξ_i‖²
+        self.sum_q_sq: torch.Tensor | float = 0.0  # Σ ‖q_i‖²
+        self.sum_batch_norm: torch.Tensor | float = 0.0  # Σ_b ‖∇_H L_b‖
         self.gram: torch.Tensor | None = None  # Σ J_iᵀ J_i in the kind's compact form
         self.kind = None
 
@@ -365,9 +367,9 @@ class _SiteAccumulator:
         s = xi.sum(0).double()
         self.sum_xi = s if self.sum_xi is None else self.sum_xi + s
         # Σ_i ‖ξ_i‖² is the squared norm of the whole (B, …) tensor: no per-sample temporaries.
-        self.sum_sq += torch.linalg.vector_norm(xi).double().pow(2)
-        self.sum_q_sq += torch.linalg.vector_norm(q).double().pow(2)
-        self.sum_batch_norm += torch.linalg.vector_norm(batch_grad).double()
+        self.sum_sq = self.sum_sq + torch.linalg.vector_norm(xi).double().pow(2)
+        self.sum_q_sq = self.sum_q_sq + torch.linalg.vector_norm(q).double().pow(2)
+        self.sum_batch_norm = self.sum_batch_norm + torch.linalg.vector_norm(batch_grad).double()
         return xi
 
     def tensors(self) -> list[torch.Tensor]:
@@ -592,7 +594,12 @@ def _probe_pass(network, sites, candidates, loader, loss_fn, device, projected, 
         replaced = None
         if not z.requires_grad:  # parameters are frozen: the graph starts at the first site
             z = replaced = z.detach().requires_grad_(True)
-        z.register_hook(lambda grad, j=j, z=z: score(j, z, grad))
+        # The hook must not capture ``z`` itself: a hook on ``z`` that references ``z`` is a cycle
+        # through autograd that Python's collector cannot see, and it kept every probe pass's
+        # activations alive (~200 MB per call at width 16). A detached alias shares the storage
+        # without holding the graph.
+        alias = z.detach()
+        z.register_hook(lambda grad, j=j, alias=alias: score(j, alias, grad))
         activations[j] = z
         return replaced
 
@@ -622,8 +629,8 @@ def _probe_pass(network, sites, candidates, loader, loss_fn, device, projected, 
 
 def _all_reduce(accs, n, batches, sync_fn, device):
     tensors = [t for a in accs for t in a.tensors()]
-    counts = torch.tensor([n, batches], dtype=torch.float64)
-    flat = torch.cat([t.flatten().to(device) for t in tensors] + [counts.to(device)])
+    counts = torch.tensor([n, batches], dtype=torch.float64, device=device)
+    flat = torch.cat([torch.as_tensor(t, dtype=torch.float64, device=device).flatten() for t in tensors] + [counts])
     flat = sync_fn(flat).cpu()
     start = 0
     for a in accs:
