@@ -13,7 +13,6 @@ import pytest
 from growtrain.cli import GrowtrainCLI
 
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
 # A width-4 ResNet-8 on 8×8 synthetic images; the growth callback's t is tiny, so its first
 # check always grows (max_growths 1). in_channels / num_classes come from the datamodule.

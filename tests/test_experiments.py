@@ -27,10 +27,10 @@ from growtrain.experiments.runs import (
 )
 from growtrain.module import ImageClassifier
 from growtrain.plots import plot_gamma_trace
-from growtrain.trainer import ComputeMeter, GrowTrainer, forward_flops, sibling_trainer
+from growtrain.callbacks import ComputeMeter, forward_flops
+from growtrain.experiments._training import BaseGrowTrainer, sibling_trainer
 
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
 
 def tiny_model(**kw) -> ImageClassifier:
@@ -56,14 +56,15 @@ def tiny_trainer(**kw) -> dict:
 
 @pytest.fixture
 def count_fits(monkeypatch):
+    # sibling trainings run on BaseGrowTrainer, the base class of GrowTrainer
     calls = []
-    original = GrowTrainer.fit
+    original = BaseGrowTrainer.fit
 
     def counting(self, *args, **kwargs):
         calls.append(self.default_root_dir)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(GrowTrainer, "fit", counting)
+    monkeypatch.setattr(BaseGrowTrainer, "fit", counting)
     return calls
 
 

@@ -23,8 +23,6 @@ try:
 except ImportError:  # pragma: no cover - pytest's rootdir-less import mode
     import helpers as H
 
-torch.set_num_threads(1)  # tiny tensors; the machine's two cores are shared
-
 
 def n_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())

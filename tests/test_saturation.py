@@ -34,8 +34,6 @@ try:
 except ImportError:  # pragma: no cover - pytest's rootdir-less import mode
     import helpers as H
 
-torch.set_num_threads(1)  # tiny tensors; the machine's two cores are shared
-
 REL = 1e-5
 
 

@@ -147,7 +147,7 @@ def fit_terminal(block, zs: Sequence[torch.Tensor], qs: Sequence[torch.Tensor], 
             if with_grad:
                 for g, d in zip(grads, torch.autograd.grad(j, params)):
                     g += d
-            value += float(j)
+            value += float(j.detach())  # float() of a tensor that requires grad warns
         return value, grads
 
     def assign(values):
