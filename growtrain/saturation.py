@@ -23,18 +23,19 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from growtrain import decision as dec
 from growtrain import probe_math as pm
 from growtrain.families.base import ChannelAffineFeatures, DenseFeatures
 from growtrain.growable import Site, terminal_parameters
 
 __all__ = ["measure_saturation", "SaturationReport", "SiteRecord", "candidate_blocks", "calibrate_candidates"]
 
-RULES = ("paper", "crossfit")
+RULES = dec.RULES
 
 
 # -- report --------------------------------------------------------------------------------
@@ -88,9 +89,23 @@ class SaturationReport:
     saturated: bool
     best_site: str | None  # the site growth would use (None when saturated)
     error_bound: float  # Σ_l σ̂²_l / (n t²)
-    rule: str = "paper"
+    rule: str = "paper"  # the rule that made ``saturated``/``best_site``/``reason``
     reason: str = ""
     extra: dict = field(default_factory=dict)  # rule-specific figures (e.g. crossfit levels)
+    margin: float = math.nan  # what the deciding rule's statistic had to exceed (δ+t, δ or max(δ, τ·R))
+    reference: float | None = None  # rule="relative": R, the existing blocks' RMS gradient norm
+    tau: float | None = None  # rule="relative": the relative threshold τ
+    verdicts: dict = field(default_factory=dict)  # every rule's verdict this pass could compute
+
+    @property
+    def ratio(self) -> float | None:
+        """The best certified lower bound in units of ``R`` (rule="relative"); grow iff > τ."""
+        if self.reference is None:
+            return None
+        best = max((r.lower for r in self.sites if r.lower is not None), default=None)
+        if best is None:
+            return None
+        return best / self.reference if self.reference > 0 else math.inf
 
     @property
     def ag_max(self) -> float:
@@ -100,7 +115,7 @@ class SaturationReport:
     def best_record(self) -> SiteRecord:
         """The top-scoring site's record (also when saturated): largest lower bound under the
         cross-fit rule, largest ‖ĝ‖ under the paper's."""
-        if self.rule == "crossfit":
+        if self.rule in ("crossfit", "relative"):
             return max(self.sites, key=lambda r: r.lower)
         return max(self.sites, key=lambda r: r.grad_norm)
 
@@ -125,6 +140,11 @@ class SaturationReport:
             "error_bound": self.error_bound,
             "ag_max": self.ag_max,
             "reason": self.reason,
+            "margin": self.margin,
+            "reference": self.reference,
+            "tau": self.tau,
+            "ratio": self.ratio,
+            "verdicts": {k: v.to_dict() for k, v in self.verdicts.items()},
             **{k: v for k, v in self.extra.items()},
             "sites": [r.to_dict() for r in self.sites],
         }
@@ -469,7 +489,21 @@ def _check_arguments(network, delta, alpha, t, rule):
     elif not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
         raise ValueError(f"t: expected a finite number > 0 (or None to derive it from alpha), got {t!r}")
     if rule not in RULES:
-        raise ValueError(f"rule: expected one of {RULES}, got {rule!r}")
+        raise ValueError(f"rule: expected one of {RULES}, got {rule!r}. Fix: pass rule={dec.DEFAULT_RULE!r}")
+
+
+def _check_one_device(network: nn.Module) -> None:
+    """The probe runs the network where its parameters are: a network split across devices
+    has no such place (the probe would fail mid-pass with a bare device-mismatch error)."""
+    devices: dict[str, str] = {}  # device → the first parameter/buffer found there
+    for name, t in list(network.named_parameters()) + list(network.named_buffers()):
+        devices.setdefault(str(t.device), name)
+    if len(devices) > 1:
+        found = ", ".join(f"{d} (e.g. {name})" for d, name in devices.items())
+        raise ValueError(
+            f"network: its parameters and buffers are on {len(devices)} devices: {found}; the probe needs the "
+            "whole network on one device. Move it with network.to(device) first."
+        )
 
 
 def measure_saturation(
@@ -482,6 +516,7 @@ def measure_saturation(
     t: float | None = None,
     projected: bool = True,
     rule: str = "paper",
+    tau: float = dec.DEFAULT_TAU,
     candidates: Mapping[str, nn.Module] | None = None,
     seed: int | None = 0,
     calibrate: bool = True,
@@ -501,7 +536,13 @@ def measure_saturation(
         alpha: target error probability; ``t = sqrt(Σσ̂²/(nα))`` unless ``t`` is given.
         t: the separation ``t > 0`` of Proposition 1 (overrides ``alpha``).
         projected: also compute ``V_S`` (costs Gram matrices; the decision does not need it).
-        rule: ``"paper"`` (Proposition 1) or ``"crossfit"`` (see ``growtrain.crossfit``).
+        rule: ``"paper"`` (Proposition 1), ``"crossfit"`` (cross-fit lower bound > δ, see
+            ``growtrain.crossfit``) or ``"relative"`` (lower bound > max(δ, τ·R), ``R`` the existing
+            blocks' RMS gradient norm; see ``growtrain.decision``). The default stays the paper's
+            rule here, the function that measures the paper's quantities; the decision entry points
+            (``GrowUntilSaturated``, ``growtrain measure``) default to ``"relative"``. Every rule
+            this pass can compute is reported in ``report.verdicts``.
+        tau: ``rule="relative"`` only: the relative threshold ``τ > 0``.
         candidates: site name → candidate block (``V = 0``); fresh ones from ``seed`` if None.
         calibrate: set the candidates' BatchNorm statistics on the probe inputs first.
         autocast_dtype: e.g. ``torch.bfloat16`` to run the network under autocast.
@@ -514,6 +555,9 @@ def measure_saturation(
             loader without a sized sampler or dataset (the split needs it before the pass).
     """
     _check_arguments(network, delta, alpha, t, rule)
+    _check_one_device(network)
+    if rule == "relative":
+        tau = dec.check_tau(tau)
     if select not in ("grad_norm", "projected"):
         raise ValueError(f"select: expected 'grad_norm' or 'projected', got {select!r}")
     if select == "projected" and not projected:
@@ -531,7 +575,7 @@ def measure_saturation(
         block.eval()
 
     crossfit = None
-    if rule == "crossfit":
+    if rule in ("crossfit", "relative"):
         from growtrain.crossfit import CrossFitState
 
         crossfit = CrossFitState.for_loader(
@@ -548,20 +592,22 @@ def measure_saturation(
         network.eval()
         try:
             with _frozen(network):
+                reference = _ReferenceAccumulator(network, sites) if rule == "relative" else None
                 accs, n, batches = _probe_pass(
-                    network, sites, candidates, probe_loader, loss_fn, device, projected, autocast_dtype, crossfit
+                    network, sites, candidates, probe_loader, loss_fn, device, projected, autocast_dtype, crossfit,
+                    reference,
                 )
         finally:
             _restore_modes(modes)
 
     if sync_fn is not None:
-        n, batches = _all_reduce(accs, n, batches, sync_fn, device)
+        n, batches = _all_reduce(accs, n, batches, sync_fn, device, reference)
     if n < 2:
         raise ValueError(f"probe_loader: the probe sample has {n} sample(s); at least 2 are needed for σ̂²")
-    return _report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfit)
+    return _report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfit, reference, tau)
 
 
-def _probe_pass(network, sites, candidates, loader, loss_fn, device, projected, autocast_dtype, crossfit):
+def _probe_pass(network, sites, candidates, loader, loss_fn, device, projected, autocast_dtype, crossfit, reference):
     """Stream the probe batches; per batch one forward and one backward score every site.
 
     The forward keeps only a reference to each site's activation ``z`` (autograd saves it for
@@ -604,9 +650,14 @@ def _probe_pass(network, sites, candidates, loader, loss_fn, device, projected, 
         return replaced
 
     n = batches = 0
+    if reference is not None:  # half A in independent pieces (for the reference), cut at the A/B boundary
+        loader = _pieces(map(_split_batch, loader), crossfit.n_a, reference.MIN_PIECES)
     with _site_hooks(network, sites, capture):
         for b, (x, y) in enumerate(map(_split_batch, loader)):
             x, y = _to_device(x, device), _to_device(y, device)
+            in_a = reference is not None and n < crossfit.n_a  # pieces never straddle A and B
+            if in_a:
+                reference.track(True)
             with _autocast(device, autocast_dtype):
                 loss = loss_fn(network(x), y)
             if loss.dim() != 0:
@@ -615,7 +666,12 @@ def _probe_pass(network, sites, candidates, loader, loss_fn, device, projected, 
                 raise FloatingPointError(f"probe batch {b}: the loss is {loss.item()}; no decision was made")
             batch.update(index=b, size=_batch_size(y), offset=n)
             scored[:] = [False] * len(sites)
-            torch.autograd.grad(loss, activations, allow_unused=True)  # the hooks do the scoring
+            if in_a:
+                grads = torch.autograd.grad(loss, activations + reference.params, allow_unused=True)
+                reference.update(grads[len(activations):], batch["size"])
+                reference.track(False)
+            else:
+                torch.autograd.grad(loss, activations, allow_unused=True)  # the hooks do the scoring
             for j in range(len(sites)):
                 if not scored[j]:  # the loss does not depend on this site: its gradient is zero
                     score(j, activations[j], torch.zeros_like(activations[j]))
@@ -627,7 +683,9 @@ def _probe_pass(network, sites, candidates, loader, loss_fn, device, projected, 
     return accs, n, batches
 
 
-def _all_reduce(accs, n, batches, sync_fn, device):
+def _all_reduce(accs, n, batches, sync_fn, device, reference=None):
+    if reference is not None:
+        reference.all_reduce(sync_fn, device)
     tensors = [t for a in accs for t in a.tensors()]
     counts = torch.tensor([n, batches], dtype=torch.float64, device=device)
     flat = torch.cat([torch.as_tensor(t, dtype=torch.float64, device=device).flatten() for t in tensors] + [counts])
@@ -642,7 +700,8 @@ def _all_reduce(accs, n, batches, sync_fn, device):
     return int(flat[start].item()), int(flat[start + 1].item())
 
 
-def _report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfit) -> SaturationReport:
+def _report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfit, reference, tau) -> SaturationReport:
+    """Per-site records, every verdict this pass can compute, and the one ``rule`` makes."""
     records = []
     for site, acc in zip(sites, accs):
         grad = acc.sum_xi.cpu() / n
@@ -664,11 +723,32 @@ def _report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfit) ->
     total_variance = sum(r.variance for r in records)
     if t is None:
         t = pm.chebyshev_t(total_variance, n, alpha)
-    bound = pm.chebyshev_bound(total_variance, n, t)
-    saturated, reason = pm.decide_paper(gamma, delta, t)
     key = (lambda r: r.projected) if select == "projected" else (lambda r: r.grad_norm)
-    best = max(records, key=key)
-    report = SaturationReport(
+    verdicts = {"paper": dec.paper_verdict(gamma, max(records, key=key).name, delta, t)}
+    extra: dict = {}
+    ref_value = None
+    if crossfit is not None:
+        lowers, info = crossfit.lower_bounds(alpha)
+        if info["n_a"] + info["n_b"] != n:
+            raise RuntimeError(f"crossfit: it saw {info['n_a'] + info['n_b']} probe samples, the report counts {n}")
+        for record, lower in zip(records, lowers):
+            record.lower = lower
+        names = [r.name for r in records]
+        verdicts["crossfit"] = dec.crossfit_verdict(lowers, names, delta, info["level"])
+        best = max(range(len(lowers)), key=lambda j: lowers[j])
+        extra = {
+            "level": info["level"], "bound_kind": info["bound_kind"], "n_a": info["n_a"], "n_b": info["n_b"],
+            "max_lower": lowers[best], "lower_site": names[best],
+            "paper_decision": "saturated" if verdicts["paper"].saturated else "grow",
+        }  # fmt: skip
+        if reference is not None:
+            ref_value, per_block = reference.value()
+            verdicts["relative"] = dec.relative_verdict(lowers, names, ref_value, tau, delta, info["level"])
+            extra.update(reference_blocks=len(per_block), reference_pieces=reference.pieces)
+        split = f" ({info['bound_kind']} bound, level α/K={info['level']:.3g}, |A|={info['n_a']}, |B|={info['n_b']})"
+    chosen = verdicts[rule]
+    reason = chosen.reason if rule == "paper" else chosen.reason + split
+    return SaturationReport(
         sites=records,
         gamma=gamma,
         t=t,
@@ -676,12 +756,106 @@ def _report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfit) ->
         delta=delta,
         alpha=alpha,
         n=n,
-        saturated=saturated,
-        best_site=None if saturated else best.name,
-        error_bound=bound,
-        rule="paper",
+        saturated=chosen.saturated,
+        best_site=chosen.site,
+        error_bound=pm.chebyshev_bound(total_variance, n, t),
+        rule=rule,
         reason=reason,
+        extra=extra,
+        margin=chosen.margin,
+        reference=ref_value,
+        tau=tau if rule == "relative" else None,
+        verdicts=verdicts,
     )
-    if crossfit is not None:
-        crossfit.apply(report, delta=delta, alpha=alpha)
-    return report
+
+
+# -- the relative rule's reference: existing blocks' terminal-map gradients on half A ----------
+class _ReferenceAccumulator:
+    """Streamed sums for ``decision.debiased_reference`` over the existing blocks of ``network``.
+
+    During half ``A`` of the probe the existing blocks' terminal parameters require grad, so the
+    same backward that scores the ghosts also yields each block's gradient of the piece's loss
+    (``S_{b,k}`` = piece size × the gradient of the mean loss). Only sums are kept, so ranks
+    all-reduce them like the site sums. Half ``B`` runs with every parameter frozen, as before.
+    """
+
+    MIN_PIECES = 4  # half A is cut into at least this many independent pieces
+
+    def __init__(self, network: nn.Module, sites: list[Site]):
+        stages = list(dict.fromkeys(s.stage for s in sites))
+        blocks = [b for name in stages for b in network.stage(name) if hasattr(b, "terminal_parameters")]
+        if not blocks:
+            raise ValueError(
+                "rule: 'relative' compares a new block with the network's existing blocks, but no block in the "
+                f"growable stages {stages} has terminal_parameters(). Fix: give your blocks terminal_parameters() "
+                "(growtrain.GrowableStack does), or pass rule='crossfit' with an absolute delta."
+            )
+        self.blocks = [list(terminal_parameters(b)) for b in blocks]
+        self.params = [p for ps in self.blocks for p in ps]
+        self.sum_grad: list[torch.Tensor | None] = [None] * len(blocks)  # Σ_k S_{b,k} (float64, flat)
+        self.sum_sq: list[torch.Tensor | float] = [0.0] * len(blocks)  # Σ_k ‖S_{b,k}‖²
+        self.n = 0  # Σ_k n_k
+        self.sum_n_sq = 0  # Σ_k n_k²
+        self.pieces = 0
+
+    def track(self, on: bool) -> None:
+        for p in self.params:
+            p.requires_grad_(on)
+
+    def update(self, grads: Sequence[torch.Tensor | None], size: int) -> None:
+        it = iter(zip(self.params, grads))
+        for b, ps in enumerate(self.blocks):
+            flat = []
+            for p, g in (next(it) for _ in ps):  # a parameter the loss does not reach has gradient 0
+                flat.append((torch.zeros_like(p) if g is None else g).detach().flatten().double())
+            piece = torch.cat(flat) * size  # (p_b,)
+            self.sum_grad[b] = piece if self.sum_grad[b] is None else self.sum_grad[b] + piece
+            self.sum_sq[b] = self.sum_sq[b] + piece.pow(2).sum()
+        self.n += size
+        self.sum_n_sq += size * size
+        self.pieces += 1
+
+    def all_reduce(self, sync_fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> None:
+        sizes = [g.numel() for g in self.sum_grad]
+        counts = torch.tensor([self.n, self.sum_n_sq, self.pieces], dtype=torch.float64, device=device)
+        sq = torch.stack([torch.as_tensor(q, dtype=torch.float64, device=device) for q in self.sum_sq])
+        flat = sync_fn(torch.cat([g.to(device) for g in self.sum_grad] + [sq, counts]))
+        parts = list(flat.split(sizes + [len(sizes), 3]))
+        self.sum_grad = parts[: len(sizes)]
+        self.sum_sq = list(parts[len(sizes)])
+        self.n, self.sum_n_sq, self.pieces = (int(v) for v in parts[-1].tolist())
+
+    def value(self) -> tuple[float, list[float]]:
+        if self.pieces < 2 or any(g is None for g in self.sum_grad):
+            raise ValueError(
+                f"probe_loader: rule='relative' needs half A of the probe in at least 2 pieces; got {self.pieces}. "
+                "Fix: use a probe of at least 8 samples."
+            )
+        return dec.debiased_reference(self.sum_grad, [float(q) for q in self.sum_sq], self.n, self.sum_n_sq)
+
+
+def _slice(obj, start: int, stop: int):
+    """Samples ``start:stop`` of a batch (tensors, tuples/lists, mappings of them)."""
+    if isinstance(obj, torch.Tensor):
+        return obj[start:stop]
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_slice(o, start, stop) for o in obj)
+    if isinstance(obj, Mapping):
+        return {k: _slice(v, start, stop) for k, v in obj.items()}
+    return obj
+
+
+def _pieces(batches: Iterable, n_a: int, min_pieces: int):
+    """Re-cut ``(input, target)`` batches so that half A (the first ``n_a`` samples) comes in
+    pieces of at most ``⌈n_a/min_pieces⌉`` samples and no piece straddles A and B. In eval mode
+    samples are independent, so cutting changes no per-sample quantity (only ``ag_batch``, the
+    per-batch Eq. 2 figure, sees smaller batches in A)."""
+    piece = max(1, math.ceil(n_a / min_pieces))
+    seen = 0
+    for x, y in batches:
+        size, start = _batch_size(y), 0
+        while start < size:
+            stop = min(size, start + piece, start + n_a - seen) if seen < n_a else size
+            yield _slice(x, start, stop), _slice(y, start, stop)
+            seen += stop - start
+            start = stop

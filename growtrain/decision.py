@@ -1,0 +1,308 @@
+"""The growth decision: pure, typed functions from probe statistics to a verdict with a reason.
+
+Three rules read the same probe pass (``measure_saturation``); every report carries all the
+verdicts it could compute, and states, when it is built, which rule made its decision.
+
+* ``"paper"`` — Proposition 1: saturated iff ``Γ̂_n ≤ δ + t``, ``t = sqrt(Σ_l σ̂²_l/(nα))``.
+* ``"crossfit"`` — grow iff some site's cross-fit lower bound on ``‖g_l‖`` (level ``α/K``)
+  exceeds the absolute margin ``δ`` (``growtrain.crossfit``).
+* ``"relative"`` (the callback's default) — grow iff some site's cross-fit lower bound exceeds
+  ``max(δ, τ · R)``, where ``R`` is the root-mean-square population gradient norm of the
+  *existing* blocks' terminal maps, estimated without bias on half ``A`` of the same probe
+  pass (:func:`debiased_reference`). ``R`` is fixed given ``A`` and the bound uses only ``B``,
+  so the test keeps its level conditionally on ``A``. The ratio of two gradient norms of the
+  same loss is unchanged by scaling the loss and has no learning-rate units: the decision is
+  scale-free. Why this rule and how ``τ`` was chosen: ``docs/decision.md``.
+
+Callback-level decisions (``should_check``, ``plateau_update``, ``budget_reason``,
+``rank_sites``, ``decide_growth``) live here too: the hooks of ``GrowUntilSaturated`` gather
+inputs and call these, the way ``EarlyStopping``'s hooks call ``_evaluate_stopping_criteria``.
+No Lightning import here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Sequence
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from growtrain.saturation import SaturationReport
+
+__all__ = [
+    "RULES",
+    "DEFAULT_RULE",
+    "DEFAULT_TAU",
+    "Verdict",
+    "paper_verdict",
+    "crossfit_verdict",
+    "relative_verdict",
+    "debiased_reference",
+    "check_tau",
+    "PROBE_COST",
+    "should_check",
+    "plateau_update",
+    "budget_reason",
+    "rank_sites",
+    "decide_growth",
+    "insertion_tolerance",
+]
+
+Rule = Literal["paper", "crossfit", "relative"]
+RULES: tuple[str, ...] = ("paper", "crossfit", "relative")
+DEFAULT_RULE: Rule = "relative"
+# τ: grow only when a new block's certified first-order value is at least this fraction of the
+# existing blocks' (RMS) first-order value. Chosen on the sweep in docs/decision.md.
+DEFAULT_TAU = 0.5
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One rule's answer: ``saturated``, where to grow, and what was compared with what."""
+
+    rule: str
+    saturated: bool
+    site: str | None  # the site to grow at (None when saturated)
+    score: float  # the rule's statistic: Γ̂ (paper) or the best lower bound (crossfit, relative)
+    margin: float  # what the statistic had to exceed: δ + t, δ, or max(δ, τ·R)
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"rule": self.rule, "saturated": self.saturated, "site": self.site, "score": self.score,
+                "margin": self.margin, "reason": self.reason}  # fmt: skip
+
+
+def check_tau(tau: object, arg: str = "tau") -> float:
+    """``τ`` must be a finite number > 0 (a ratio of gradient norms)."""
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
+        raise ValueError(
+            f"{arg}: expected a finite number > 0 (the fraction of the existing blocks' RMS gradient norm a new "
+            f"block must certify); got {tau!r}. Fix: pass {arg}={DEFAULT_TAU} (the default), or rule='crossfit' "
+            "for an absolute margin delta."
+        )
+    return float(tau)
+
+
+# -- the three rules -------------------------------------------------------------------------
+def paper_verdict(gamma: float, best_site: str, delta: float, t: float) -> Verdict:
+    """Proposition 1: saturated iff ``Γ̂_n ≤ δ + t``; the best site is ``argmax_l ‖ĝ_l‖``."""
+    margin = delta + t
+    if gamma <= margin:
+        return Verdict("paper", True, None, gamma, margin, f"saturated: Γ̂={gamma:.4g} ≤ δ+t={margin:.4g}")
+    return Verdict("paper", False, best_site, gamma, margin, f"grow: Γ̂={gamma:.4g} > δ+t={margin:.4g}")
+
+
+def _best(lowers: Sequence[float]) -> int:
+    return max(range(len(lowers)), key=lambda j: lowers[j])
+
+
+def crossfit_verdict(lowers: Sequence[float], names: Sequence[str], delta: float, level: float) -> Verdict:
+    """Grow iff ``max_l lower_l > δ`` (each bound at ``level = α/K``) at the argmax site."""
+    j = _best(lowers)
+    best, name = lowers[j], names[j]
+    if best > delta:
+        return Verdict("crossfit", False, name, best, delta,
+                       f"grow: lower bound {best:.4g} at {name} > δ={delta:.4g} (level {level:.3g})")  # fmt: skip
+    return Verdict("crossfit", True, None, best, delta,
+                   f"saturated: max lower bound {best:.4g} (at {name}) ≤ δ={delta:.4g} (level {level:.3g})")  # fmt: skip
+
+
+def relative_verdict(
+    lowers: Sequence[float], names: Sequence[str], reference: float, tau: float, delta: float, level: float
+) -> Verdict:
+    """Grow iff ``max_l lower_l > max(δ, τ·R)``: a new block certifies at least ``τ`` times the
+    first-order value (gradient norm) of an average existing block."""
+    j = _best(lowers)
+    best, name = lowers[j], names[j]
+    margin = max(delta, tau * reference)
+    ratio = best / reference if reference > 0 else math.inf
+    what = f"lower bound {best:.4g} at {name} = {ratio:.3g}×R (R={reference:.4g}, τ={tau:g}, level {level:.3g})"
+    if best > margin:
+        return Verdict("relative", False, name, best, margin, f"grow: {what} > max(δ, τ·R)={margin:.4g}")
+    return Verdict("relative", True, None, best, margin, f"saturated: {what} ≤ max(δ, τ·R)={margin:.4g}")
+
+
+def debiased_reference(
+    sum_grad: Sequence[torch.Tensor], sum_sq: Sequence[float], n: int, sum_n_sq: float
+) -> tuple[float, list[float]]:
+    """``R``: the RMS over existing blocks of an unbiased estimate of ``‖g_b‖²``, and the per-block
+    estimates.
+
+    Per block ``b`` the probe's half ``A`` is cut into pieces ``k`` of ``n_k`` samples, with
+    ``S_{b,k}`` the gradient of the piece's *summed* loss w.r.t. the block's terminal map.
+    Independent pieces give ``E[S_k·S_k'] = n_k n_k' ‖g_b‖²`` for ``k ≠ k'``, so
+
+        R_b² = (‖Σ_k S_{b,k}‖² − Σ_k ‖S_{b,k}‖²) / (n² − Σ_k n_k²)
+
+    is unbiased for ``‖g_b‖²`` (a U-statistic over pieces; it needs no per-sample gradients and
+    can be negative). ``R = sqrt(max(0, mean_b R_b²))``.
+
+    sum_grad: per block ``Σ_k S_{b,k}`` (float64, any shape); sum_sq: per block
+    ``Σ_k ‖S_{b,k}‖²``; n: ``Σ_k n_k``; sum_n_sq: ``Σ_k n_k²``.
+    """
+    if len(sum_grad) != len(sum_sq) or not sum_grad:
+        raise ValueError(f"sum_grad, sum_sq: expected one entry per existing block (≥ 1), got {len(sum_grad)}, {len(sum_sq)}")
+    pairs = float(n) * float(n) - float(sum_n_sq)
+    if pairs <= 0:
+        raise ValueError(
+            f"n, sum_n_sq: the reference needs at least two independent pieces of half A (n={n}, Σn_k²={sum_n_sq})"
+        )
+    per_block = [(float(s.double().pow(2).sum()) - float(q)) / pairs for s, q in zip(sum_grad, sum_sq)]
+    mean_sq = sum(per_block) / len(per_block)
+    return math.sqrt(max(0.0, mean_sq)), per_block
+
+
+# -- when to check, and what to do after a verdict (the callback's pure functions) ------------
+# Cost of one probe sample in training-sample equivalents (one forward+backward+step), used by
+# ``probe_budget``; conservative: bench/callback.py measured 1.8-2.6 (basic family, calibration on,
+# fashion-mnist-mini, shared 2-core CPU); docs/design.md measured 1.6-2.3 without calibration.
+PROBE_COST = 3.0
+# Absolute tolerance per unit of output scale for the insertion check, by output dtype.
+_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def should_check(
+    *,
+    finished: str | None,
+    cooldown_left: int,
+    epochs_since_check: int,
+    every_n_epochs: int,
+    monitor: str | None,
+    plateaued: bool,
+    min_stage_epochs: int = 1,
+    stage_epochs: int | None = None,
+    probe_budget: float | None = None,
+    probe_samples: int = 0,
+    trained_samples: int = 0,
+) -> tuple[bool, str]:
+    """Whether this train-epoch end runs a probe check, and why (or why not).
+
+    With ``monitor`` a check needs the metric to have plateaued *and* the current stage (epochs
+    since the last growth, ``stage_epochs``) to be at least ``min_stage_epochs`` long; without it,
+    every ``every_n_epochs``. With ``probe_budget`` a due check also needs the samples trained
+    since the last check to pay for it: ``PROBE_COST · probe_samples ≤ probe_budget · trained_samples``.
+    """
+    if finished is not None:
+        return False, f"growth has ended ({finished})"
+    if cooldown_left > 0:
+        return False, f"cooldown after growth: {cooldown_left} epoch(s) left"
+    if monitor is not None:
+        stage = epochs_since_check if stage_epochs is None else stage_epochs
+        if stage < min_stage_epochs:
+            return False, f"stage is {stage} epoch(s) long; min_stage_epochs={min_stage_epochs}"
+        if not plateaued:
+            return False, f"{monitor} is still improving"
+        why = f"{monitor} has plateaued"
+    elif epochs_since_check >= every_n_epochs:
+        why = f"every {every_n_epochs} epoch(s)"
+    else:
+        return False, f"next check in {every_n_epochs - epochs_since_check} epoch(s)"
+    if probe_budget is not None and PROBE_COST * probe_samples > probe_budget * trained_samples:
+        need = math.ceil(PROBE_COST * probe_samples / probe_budget)
+        return False, f"probe_budget={probe_budget}: postponed until {need} trained samples ({trained_samples} so far)"
+    return True, why
+
+
+def plateau_update(
+    current: float, best: float | None, wait: int, *, mode: str, min_delta: float, patience: int
+) -> tuple[float, int, bool]:
+    """EarlyStopping-style tracking: returns ``(best, wait, plateaued)``.
+
+    An improvement is a change beyond ``min_delta`` in the ``mode`` direction; ``plateaued``
+    once ``patience`` consecutive epochs brought none.
+    """
+    if best is None or not math.isfinite(best):
+        return current, 0, False
+    improved = current < best - min_delta if mode == "min" else current > best + min_delta
+    if improved:
+        return current, 0, False
+    wait += 1
+    return best, wait, wait >= patience
+
+
+def budget_reason(
+    *,
+    growths: int,
+    max_growths: int | None,
+    depth: int | None,
+    max_blocks: int | None,
+    params: int,
+    max_params: int | None,
+) -> str | None:
+    """The budget that forbids any further growth, or ``None`` when growth is still allowed."""
+    if max_growths is not None and growths >= max_growths:
+        return f"max_growths={max_growths} reached ({growths} growth step(s) done)"
+    if max_blocks is not None and depth is not None and depth >= max_blocks:
+        return f"max_blocks={max_blocks} reached (depth {depth})"
+    if max_params is not None and params >= max_params:
+        return f"max_params={max_params} reached ({params} parameters)"
+    return None
+
+
+def rank_sites(report: "SaturationReport", top_k: int) -> list[str]:
+    """Up to ``top_k`` distinct sites to grow, best first (empty when saturated).
+
+    The first is the report's ``best_site``. Further sites need the same evidence: with the
+    cross-fit and relative rules only sites whose certified ``lower`` exceeds the rule's margin
+    (ranked by ``lower``); with the paper's rule the next sites by ``‖ĝ‖`` (Proposition 1
+    certifies the maximum only, so ``top_k > 1`` is a heuristic there).
+    """
+    if report.saturated or report.best_site is None:
+        return []
+    out = [report.best_site]
+    if report.rule in ("crossfit", "relative"):
+        rest = [r for r in report.sites if r.lower is not None and r.lower > report.margin]
+        rest.sort(key=lambda r: -r.lower)
+    else:
+        rest = sorted(report.sites, key=lambda r: -r.grad_norm)
+    for r in rest:
+        if len(out) >= top_k:
+            break
+        if r.name not in out:
+            out.append(r.name)
+    return out
+
+
+def decide_growth(
+    *,
+    saturated: bool,
+    ranked: Sequence[str],
+    block_params: dict[str, int],
+    growths: int,
+    max_growths: int | None,
+    depth: int | None,
+    max_blocks: int | None,
+    params: int,
+    max_params: int | None,
+    reason: str = "",
+) -> tuple[str, str, list[str]]:
+    """The action after a probe: ``("grow", why, sites)``, ``("saturated", why, [])`` or
+    ``("budget", why, [])``. Sites are taken in rank order while the budgets allow."""
+    if saturated or not ranked:
+        return "saturated", reason or "no site certifies first-order gain", []
+    blocked = budget_reason(
+        growths=growths, max_growths=max_growths, depth=depth, max_blocks=max_blocks,
+        params=params, max_params=max_params,
+    )  # fmt: skip
+    if blocked is not None:
+        return "budget", blocked, []
+    chosen: list[str] = []
+    total = params
+    for name in ranked:
+        if max_blocks is not None and depth is not None and depth + len(chosen) + 1 > max_blocks:
+            break
+        if max_params is not None and total + block_params.get(name, 0) > max_params:
+            continue
+        chosen.append(name)
+        total += block_params.get(name, 0)
+    if not chosen:
+        return "budget", f"max_params={max_params}: no candidate block fits ({params} parameters now)", []
+    why = reason or "a site certifies first-order gain"
+    return "grow", f"{why}; grow at {', '.join(chosen)}", chosen
+
+
+def insertion_tolerance(dtype: torch.dtype, scale: float) -> float:
+    """Largest acceptable ``max|Δ output|`` after inserting zero-output blocks."""
+    return _TOLERANCE.get(dtype, 1e-5) * max(1.0, float(scale))
