@@ -2,7 +2,8 @@
 
 Uses matplotlib's object API (``matplotlib.figure.Figure``), never ``pyplot``: no global
 backend is switched, so importing this in a notebook or a headless job changes nothing.
-Each function returns the ``Figure`` and writes ``path``.
+Each function returns the ``Figure`` and writes ``path``. The callback that writes the Γ̂ trace
+at the end of a fit is :class:`growtrain.callbacks.GammaTracePlot`.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from lightning.pytorch import Callback
+from growtrain._deprecation import moved_names
 
-__all__ = ["plot_gamma_trace", "plot_sweep", "save_gamma_trace", "GammaTracePlot", "grew"]
+__all__ = ["plot_gamma_trace", "plot_sweep", "grew"]
 
 
 def grew(record: dict) -> bool:
@@ -100,28 +101,7 @@ def plot_sweep(rows: Sequence[dict], path: str | Path | None = None, *, depth_la
     return fig
 
 
-def save_gamma_trace(trainer, pl_module=None) -> list[Path]:
-    """Write ``gamma_trace.png`` for each growth callback of ``trainer`` next to its logs.
-
-    Has the signature of ``Callback.on_fit_end(trainer, pl_module)``; rank 0 only; a
-    callback that recorded no checks is skipped.
-    """
-    from growtrain.trainer import growth_callbacks
-
-    if not trainer.is_global_zero:
-        return []
-    callbacks = [cb for cb in growth_callbacks(trainer.callbacks) if getattr(cb, "history", None)]
-    folder = Path(trainer.log_dir or trainer.default_root_dir)
-    paths = []
-    for i, cb in enumerate(callbacks):
-        path = folder / ("gamma_trace.png" if i == 0 else f"gamma_trace_{i}.png")
-        plot_gamma_trace(cb.history, path)
-        paths.append(path)
-    return paths
-
-
-class GammaTracePlot(Callback):
-    """Writes ``gamma_trace.png`` (see :func:`save_gamma_trace`) when ``fit`` ends."""
-
-    def on_fit_end(self, trainer, pl_module) -> None:
-        save_gamma_trace(trainer, pl_module)
+# Moved to growtrain.callbacks.gamma_plot (a Lightning callback is not a figure function).
+__getattr__ = moved_names(
+    __name__, {"GammaTracePlot": "growtrain.callbacks.gamma_plot", "save_gamma_trace": "growtrain.callbacks.gamma_plot"}
+)

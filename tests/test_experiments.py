@@ -16,8 +16,10 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping
 from torch import nn
 
+from growtrain.callbacks import ComputeMeter, forward_flops
 from growtrain.data import ImageDataModule
 from growtrain.experiments import run_compare, run_match, run_measure, run_sweep
+from growtrain.experiments._training import BaseGrowTrainer, sibling_trainer
 from growtrain.experiments.runs import (
     architecture,
     module_at_depth,
@@ -27,8 +29,6 @@ from growtrain.experiments.runs import (
 )
 from growtrain.module import ImageClassifier
 from growtrain.plots import plot_gamma_trace
-from growtrain.callbacks import ComputeMeter, forward_flops
-from growtrain.experiments._training import BaseGrowTrainer, sibling_trainer
 
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 

@@ -1,4 +1,4 @@
-"""Small Lightning callbacks for the paper's training protocol (Table 5)."""
+"""`TrainLossEarlyStopping`: the paper's early stopping on the training loss (Table 5)."""
 
 from __future__ import annotations
 

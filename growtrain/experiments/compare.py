@@ -21,7 +21,7 @@ augmentation, optimizer, schedule and callbacks, i.e. the same convergence crite
 
 Train loss is re-measured after training on the train split in eval mode without
 augmentation (not the running training-loss log), test loss/accuracy on the test split.
-Compute: epochs, wall time and estimated FLOPs (``growtrain.trainer.ComputeMeter``).
+Compute: epochs, wall time and estimated FLOPs (``growtrain.callbacks.ComputeMeter``).
 
 Every finished (depth, seed, arm) is appended to ``output_dir/runs.jsonl``; a rerun skips
 those and trains only what is missing. Outputs: ``compare.md``, ``compare.csv``,
@@ -42,7 +42,8 @@ from typing import Any, Literal, Sequence
 from lightning.pytorch import LightningDataModule, LightningModule, seed_everything
 from lightning.pytorch.callbacks import EarlyStopping
 
-from growtrain.callback import GrowUntilSaturated
+from growtrain.callbacks import ComputeMeter, GrowUntilSaturated, growth_callbacks
+from growtrain.experiments._training import evaluate, sibling_trainer
 from growtrain.experiments.runs import (
     ModuleFactory,
     RunLog,
@@ -65,7 +66,6 @@ from growtrain.experiments.runs import (
     stage_sizes,
 )
 from growtrain.saturation import measure_saturation
-from growtrain.trainer import ComputeMeter, evaluate, growth_callbacks, sibling_trainer
 
 __all__ = ["CompareResult", "run_compare", "SCRATCH_SEED_OFFSET"]
 

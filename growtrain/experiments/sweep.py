@@ -20,6 +20,8 @@ from typing import Sequence
 
 from lightning.pytorch import LightningDataModule, LightningModule, seed_everything
 
+from growtrain.callbacks import ComputeMeter, growth_callbacks
+from growtrain.experiments._training import evaluate, sibling_trainer
 from growtrain.experiments.runs import (
     ModuleFactory,
     RunLog,
@@ -38,7 +40,6 @@ from growtrain.experiments.runs import (
 )
 from growtrain.plots import plot_sweep
 from growtrain.saturation import measure_saturation
-from growtrain.trainer import ComputeMeter, evaluate, growth_callbacks, sibling_trainer
 
 __all__ = ["SweepResult", "run_sweep", "growth_stop_depth"]
 

@@ -1,0 +1,32 @@
+"""growtrain's Lightning callbacks, one job per module.
+
+- ``growth``: :class:`GrowUntilSaturated`, the probe-and-grow callback;
+- ``early_stopping``: :class:`TrainLossEarlyStopping`, the paper's stop on the training loss;
+- ``compute``: :class:`ComputeMeter`, batches, samples and estimated FLOPs of a fit;
+- ``gamma_plot``: :class:`GammaTracePlot`, ``gamma_trace.png`` from the growth checks at fit end.
+"""
+
+from growtrain.callbacks._select import growth_callbacks
+from growtrain.callbacks.compute import ComputeMeter, forward_flops
+from growtrain.callbacks.early_stopping import TrainLossEarlyStopping
+from growtrain.callbacks.gamma_plot import GammaTracePlot, save_gamma_trace
+
+__all__ = [
+    "ComputeMeter",
+    "GammaTracePlot",
+    "GrowUntilSaturated",
+    "TrainLossEarlyStopping",
+    "forward_flops",
+    "growth_callbacks",
+    "save_gamma_trace",
+]
+
+
+def __getattr__(name: str):
+    # GrowUntilSaturated moves into growtrain/callbacks/growth.py; until then it lives in
+    # growtrain.callback. Loaded on first use so this package imports whichever exists.
+    if name == "GrowUntilSaturated":
+        from growtrain.callbacks._select import GrowUntilSaturated
+
+        return GrowUntilSaturated
+    raise AttributeError(f"module 'growtrain.callbacks' has no attribute {name!r}")

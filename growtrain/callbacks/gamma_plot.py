@@ -1,0 +1,38 @@
+"""``GammaTracePlot``: writes the Γ̂ trace of each growth callback as ``gamma_trace.png`` at fit end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning.pytorch import Callback
+
+from growtrain.callbacks._select import growth_callbacks
+from growtrain.plots import plot_gamma_trace
+
+__all__ = ["GammaTracePlot", "save_gamma_trace"]
+
+
+def save_gamma_trace(trainer, pl_module=None) -> list[Path]:
+    """Write ``gamma_trace.png`` for each growth callback of ``trainer`` next to its logs.
+
+    Has the signature of ``Callback.on_fit_end(trainer, pl_module)``; rank 0 only; a
+    callback that recorded no checks is skipped. The figure is
+    :func:`growtrain.plots.plot_gamma_trace` of ``GrowUntilSaturated.history``.
+    """
+    if not trainer.is_global_zero:
+        return []
+    callbacks = [cb for cb in growth_callbacks(trainer.callbacks) if getattr(cb, "history", None)]
+    folder = Path(trainer.log_dir or trainer.default_root_dir)
+    paths = []
+    for i, cb in enumerate(callbacks):
+        path = folder / ("gamma_trace.png" if i == 0 else f"gamma_trace_{i}.png")
+        plot_gamma_trace(cb.history, path)
+        paths.append(path)
+    return paths
+
+
+class GammaTracePlot(Callback):
+    """Writes ``gamma_trace.png`` (see :func:`save_gamma_trace`) when ``fit`` ends."""
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        save_gamma_trace(trainer, pl_module)

@@ -1,0 +1,140 @@
+"""Sibling trainings: one experiment trains many networks, each with its own trainer.
+
+A *sibling* trainer has the settings the experiment's trainer was built with (``init_kwargs``:
+max_epochs, precision, callbacks, …) but its own ``default_root_dir``, a CSV logger in that
+directory, fresh deep copies of the callbacks, and whatever the experiment overrides (e.g.
+``max_steps`` for the compute-matched arm). Sibling trainings are single-process.
+
+:class:`BaseGrowTrainer` is the trainer class of both the siblings and the CLI's
+:class:`growtrain.trainer.GrowTrainer` (which adds the experiment subcommands).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Callable, Literal, Sequence
+
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.cli import SaveConfigCallback
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+
+from growtrain.callbacks import GammaTracePlot, growth_callbacks
+from growtrain.callbacks._select import as_callback_list
+
+__all__ = ["BaseGrowTrainer", "sibling_trainer", "evaluate"]
+
+
+class BaseGrowTrainer(Trainer):
+    """``lightning.Trainer`` that keeps its arguments and plots the growth checks.
+
+    Takes exactly ``lightning.Trainer``'s arguments and keeps them in ``init_kwargs`` so an
+    experiment can build sibling trainers with the same settings. When a
+    ``GrowUntilSaturated`` callback is configured, a :class:`growtrain.callbacks.GammaTracePlot`
+    is added so ``fit`` also writes ``gamma_trace.png`` next to the logs.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.init_kwargs: dict[str, Any] = dict(kwargs)
+        callbacks = as_callback_list(kwargs.get("callbacks"))
+        if growth_callbacks(callbacks) and not any(isinstance(cb, GammaTracePlot) for cb in callbacks):
+            kwargs["callbacks"] = callbacks + [GammaTracePlot()]
+        super().__init__(**kwargs)
+
+
+def sibling_trainer(
+    trainer_kwargs: dict | None,
+    root: str | Path,
+    *,
+    keep: Callable[[Callback], bool] = lambda cb: True,
+    extra_callbacks: Sequence[Callback] = (),
+    **overrides: Any,
+) -> BaseGrowTrainer:
+    """A trainer with the settings ``trainer_kwargs`` but its own directory and callbacks.
+
+    Callbacks are deep copies of the configured ones that ``keep`` accepts (the CLI's
+    ``SaveConfigCallback`` is never copied: it refuses to overwrite a config file), plus
+    ``extra_callbacks``. A configured logger becomes a ``CSVLogger`` writing into ``root``.
+    ``overrides`` replace any setting (e.g. ``max_steps=…``).
+    """
+    kwargs = dict(trainer_kwargs or {})
+    callbacks = [
+        copy.deepcopy(cb)
+        for cb in as_callback_list(kwargs.pop("callbacks", None))
+        if not isinstance(cb, (SaveConfigCallback, GammaTracePlot)) and keep(cb)
+    ]
+    root = Path(root)
+    kwargs["default_root_dir"] = str(root)
+    kwargs["callbacks"] = callbacks + list(extra_callbacks)
+    if kwargs.get("logger") is not False:  # None and True mean Lightning's default logger
+        kwargs["logger"] = CSVLogger(str(root), name="", version="")
+    kwargs.update(overrides)
+    return BaseGrowTrainer(**kwargs)
+
+
+class _SplitAsTest(LightningDataModule):
+    """Serve one split of ``datamodule`` as a test split, with the datamodule's batch hooks."""
+
+    def __init__(self, datamodule: LightningDataModule, split: str):
+        super().__init__()
+        self.inner, self.split = datamodule, split
+
+    def prepare_data(self) -> None:
+        self.inner.prepare_data()
+
+    def setup(self, stage: str) -> None:
+        self.inner.setup("test" if self.split == "test" else "fit")
+
+    def test_dataloader(self):
+        # Its batch hooks may ask `self.trainer.training` (augmentation): answer with this
+        # evaluation-only trainer, so train batches are normalised but never augmented.
+        self.inner.trainer = self.trainer
+        make = getattr(self.inner, f"{self.split}_dataloader", None)
+        if make is None:
+            raise ValueError(f"datamodule: {type(self.inner).__name__} has no {self.split}_dataloader()")
+        loader = make()
+        if isinstance(loader, DataLoader) and loader.batch_size is not None:
+            # the train loader shuffles and drops its last batch: evaluate every sample, in order
+            loader = DataLoader(loader.dataset, batch_size=loader.batch_size, shuffle=False, drop_last=False,
+                                collate_fn=loader.collate_fn, num_workers=loader.num_workers)  # fmt: skip
+        return loader
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        return self.inner.transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return self.inner.on_before_batch_transfer(batch, dataloader_idx)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        return self.inner.on_after_batch_transfer(batch, dataloader_idx)
+
+
+def evaluate(
+    module: LightningModule,
+    datamodule: LightningDataModule,
+    split: Literal["train", "val", "test"],
+    trainer_kwargs: dict | None,
+    root: str | Path,
+) -> dict[str, float]:
+    """Metrics of ``module`` on one split, in eval mode, without augmentation.
+
+    Runs the module's own ``test_step`` through ``Trainer.test`` on the split's loader and
+    returns its ``test_*`` metrics without the prefix (e.g. ``{"loss": …, "acc": …}``). The
+    train split is capped by ``limit_train_batches``, the others by their own limits.
+    """
+    kwargs = trainer_kwargs or {}
+    limit = kwargs.get({"train": "limit_train_batches", "val": "limit_val_batches"}.get(split, "limit_test_batches"))
+    trainer = sibling_trainer(
+        kwargs,
+        root,
+        keep=lambda cb: False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_test_batches=1.0 if limit is None else limit,
+    )
+    results = trainer.test(module, datamodule=_SplitAsTest(datamodule, split), verbose=False)
+    metrics = results[0] if results else {}
+    return {k[len("test_") :]: float(v) for k, v in metrics.items() if k.startswith("test_")}
