@@ -113,3 +113,52 @@ def test_help_exits_cleanly(capsys):
         main(["fit", "--help"])
     assert error.value.code == 0
     assert "--model" in capsys.readouterr().out
+
+
+# -- every output of a run follows --trainer.default_root_dir ----------------------------------
+def _shipped_configs() -> list[Path]:
+    return sorted(CONFIGS.rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", _shipped_configs(), ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_no_shipped_config_pins_the_logger_directory(config):
+    """A logger with its own save_dir keeps metrics.csv and growth_history.json where the config
+    says, whatever --trainer.default_root_dir is; the configs leave the logger to Lightning's
+    default, which writes under default_root_dir."""
+    import yaml
+
+    trainer = (yaml.safe_load(config.read_text()) or {}).get("trainer") or {}
+    loggers = trainer.get("logger")
+    loggers = loggers if isinstance(loggers, list) else [loggers]
+    for logger in loggers:
+        if isinstance(logger, dict):
+            assert "save_dir" not in (logger.get("init_args") or {}), (config, logger)
+
+
+def test_default_root_dir_moves_every_output(tmp_path, monkeypatch):
+    """The quickstart config with its logger as shipped (no --trainer.logger override), run from
+    another working directory: checkpoints, metrics.csv, growth_history.json, the Γ̂ trace and
+    config.yaml all land under --trainer.default_root_dir, nothing in the working directory."""
+    import warnings
+
+    import growtrain
+
+    cwd, root = tmp_path / "cwd", tmp_path / "out"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    (tmp_path / "grow.yaml").write_text(FORCED_GROWTH)
+    args = [a for a in tiny_fit_args(root, f"--config={tmp_path / 'grow.yaml'}") if a != "--trainer.logger=false"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = GrowtrainCLI(args=args)
+    assert len(cli.model.network.growth_log) == 1
+    assert list(cwd.iterdir()) == []
+    names = {p.name for p in root.rglob("*") if p.is_file()}
+    assert {"last.ckpt", "metrics.csv", "growth_history.json", "gamma_trace.png", "config.yaml"} <= names, names
+    log_dir = Path(cli.trainer.log_dir)
+    assert log_dir.is_relative_to(root)
+    assert (log_dir / "metrics.csv").is_file() and (log_dir / "growth_history.json").is_file()
+    # growtrain's own code warns about nothing in a normal run (third-party deprecations aside)
+    package = Path(growtrain.__file__).parent
+    ours = [w for w in caught if Path(w.filename).resolve().is_relative_to(package)]
+    assert not ours, [f"{w.filename}:{w.lineno}: {w.message}" for w in ours]
