@@ -270,7 +270,15 @@ class ImageDataModule(lightning.LightningDataModule):
 
     def probe_dataloader(self) -> DataLoader:
         """The probe split in a fixed order, no augmentation, normalised float32 `(x, y)`:
-        ready for `measure_saturation(network, loader, loss_fn)` outside Lightning."""
+        ready for `measure_saturation(network, loader, loss_fn)` outside Lightning.
+
+        With ``probe_size=0`` there is no probe split (fine for runs that never probe, e.g.
+        cyclic insertion); asking for it is an error here, so ``GrowUntilSaturated`` refuses
+        the run when it builds its probe loader at train start, before any training step,
+        instead of failing at its first check epochs later."""
+        if self.probe_size == 0:
+            raise _bad("probe_size", "an integer >= 1 when a probe is used (GrowUntilSaturated, measure, "
+                       "match, sweep, compare)", 0, "pass probe_size=500 or more")  # fmt: skip
         return self._loader(self._subset("train", self.probe_indices, train=False), train=False)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
