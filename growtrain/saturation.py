@@ -260,6 +260,14 @@ def _split_batch(batch):
             f"probe_loader: expected batches of (input, target), got {type(batch).__name__}"
             + (f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else "")
         )
+    x, y = batch
+    # A short target would otherwise fail deep inside the loss with no word about the probe, or
+    # broadcast silently in a loss like MSE; the per-sample scaling and n count targets.
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dim() and y.dim() and len(x) != len(y):
+        raise ValueError(
+            f"probe_loader: a probe batch has {len(x)} inputs but {len(y)} targets; every input needs its "
+            "target (check the probe dataset's collate_fn)"
+        )
     return batch
 
 
