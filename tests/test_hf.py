@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import pytest
 import torch
@@ -168,3 +169,115 @@ def test_unsupported_quantized_frozen_and_position_scaled_models_are_refused():
     with pytest.raises(ValueError, match="not a candidate site.*layers.0, layers.1, layers.2"):
         net.grow("layers.7")
     assert net.depth() == 2 and net.config.num_hidden_layers == 2 and net.growth_log == []
+
+
+# -- training: GrowUntilSaturated inside Trainer.fit, checkpoint, resume ----------------------------
+@pytest.fixture
+def llama_dir(tmp_path):
+    path = tmp_path / "tiny-llama"
+    tiny_model("llama", vocab=256, hidden=16, heads=2).save_pretrained(path)
+    return path
+
+
+def _text_data():
+    from growtrain.data.text import TextDataModule
+
+    return TextDataModule(tokenizer="byte", max_chars=6000, block_size=16, batch_size=8, eval_batch_size=32,
+                          probe_fraction=0.1, val_fraction=0.05, test_fraction=0.0)  # fmt: skip
+
+
+def test_fit_grows_the_hf_model_with_zero_state_and_resumes_at_the_grown_depth(llama_dir, tmp_path, quiet_trainer_kwargs):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from growtrain import GrowUntilSaturated
+    from growtrain.hf import HFCausalLM
+
+    def trainer(epochs, grow):
+        ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+        kw = {**quiet_trainer_kwargs, "enable_checkpointing": True}
+        return L.Trainer(max_epochs=epochs, limit_train_batches=3, limit_val_batches=1, callbacks=[grow, ckpt], **kw)
+
+    # t tiny: any nonzero Γ̂ exceeds δ + t, so every check grows (the decision itself is tested elsewhere)
+    grow = GrowUntilSaturated(rule="paper", t=1e-9, every_n_epochs=1, monitor=None, max_growths=2, verbose=False)
+    module = HFCausalLM(str(llama_dir))
+    base = {id(p) for p in module.parameters()}
+    first = trainer(2, grow)
+    first.fit(module, datamodule=_text_data())
+    net = module.network
+    assert net.depth() == 4 and net.config.num_hidden_layers == 4 and len(net.growth_log) == 2
+    assert _layer_positions(net) == [0, 1, 2, 3]
+    optimizer = first.optimizers[0]
+    names = [g.get("name") for g in optimizer.param_groups]
+    assert any(n and n.startswith("growth0") for n in names) and any(n and n.startswith("growth1") for n in names)
+    new = [p for layer in grown_blocks(net) for p in layer.parameters()]
+    assert new and all(id(p) not in base for p in new)  # the new layers' parameters, by identity
+    grouped = {id(p) for g in optimizer.param_groups if str(g.get("name")).startswith("growth") for p in g["params"]}
+    assert {id(p) for p in new} == grouped
+    # The second growth happened at the last epoch's end: its layer has no optimizer state yet.
+    assert all(p not in optimizer.state for p in grown_blocks(net)[1].parameters())
+    # Resume into a fresh module loaded from the same directory (original depth): replayed, then loaded.
+    last = tmp_path / "first.ckpt"
+    shutil.copy(tmp_path / "ckpt" / "last.ckpt", last)
+    resumed = HFCausalLM(str(llama_dir))
+    assert resumed.network.depth() == 2
+    grow2 = GrowUntilSaturated(rule="paper", t=1e-9, every_n_epochs=1, monitor=None, max_growths=2, verbose=False)
+    trainer(3, grow2).fit(resumed, datamodule=_text_data(), ckpt_path=str(last))
+    assert resumed.network.depth() == 4 and [r["site"] for r in resumed.network.growth_log] == [
+        r["site"] for r in net.growth_log
+    ]
+    reloaded = HFCausalLM.load_from_checkpoint(str(last))
+    assert reloaded.network.depth() == 4
+    x = _tokens(5, (2, 16)) * 3
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(x), module.eval()(x), rtol=0, atol=0)
+    # The grown model is a plain Hugging Face checkpoint.
+    module.save_pretrained(str(tmp_path / "grown"))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "grown", local_files_only=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x).logits, module(x), rtol=0, atol=1e-6)
+
+
+def test_hf_causal_lm_refuses_a_missing_or_remote_model_path(tmp_path):
+    from growtrain.hf import HFCausalLM
+
+    with pytest.raises(FileNotFoundError, match="never downloads.*hf download"):
+        HFCausalLM("EleutherAI/pythia-160m")
+    with pytest.raises(ValueError, match="give exactly one"):
+        HFCausalLM()
+
+
+def test_measure_cli_scores_a_local_hf_model_directory(llama_dir, tmp_path):
+    from growtrain.cli import GrowtrainCLI
+
+    out = tmp_path / "measure"
+    GrowtrainCLI(args=[
+        "measure", "--model=growtrain.hf.HFCausalLM", f"--model.pretrained={llama_dir}",
+        "--data=growtrain.data.text.TextDataModule", "--data.tokenizer=byte", "--data.max_chars=6000",
+        "--data.block_size=16", "--data.probe_fraction=0.1", "--trainer.logger=false", f"--output_dir={out}",
+    ])  # fmt: skip
+    saved = json.loads((out / "measure.json").read_text())
+    assert [s["site"] for s in saved["sites"]] == ["layers.0", "layers.1", "layers.2"]
+    assert all(s["ag"] > 0 and s["dim"] == 16 * 16 for s in saved["sites"])  # N_l = T × hidden
+
+
+def test_hf_text_datamodule_tokenizes_with_a_local_tokenizer_directory(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from growtrain.hf import HFTextDataModule
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 40)
+    vocab = {"[UNK]": 0, "def": 1, "f": 2, "(": 3, "x": 4, "):": 5, ":": 6, "return": 7, "+": 8, "1": 9}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
+    dm = HFTextDataModule(path=str(corpus), tokenizer=str(tmp_path / "tok"), block_size=8, batch_size=4,
+                          probe_fraction=0.2, val_fraction=0.1, test_fraction=0.0)  # fmt: skip
+    dm.setup("fit")
+    assert dm.vocab_size == 10 and dm.tokens[:9].tolist() == [1, 2, 3, 4, 5, 7, 4, 8, 9]
+    x, y = next(iter(dm.probe_dataloader()))
+    assert x.shape == (4, 8) and torch.equal(x[:, 1:], y[:, :-1])
+    assert dm.state_dict()["split"]["tokenizer"] == "hf:tok:10"
+    with pytest.raises(FileNotFoundError, match="tokenizer: expected 'byte', 'char' or a local directory"):
+        HFTextDataModule(path=str(corpus), tokenizer="EleutherAI/pythia-160m")
