@@ -14,7 +14,7 @@ the effect).
 
 Part ``share`` — the quickstart: ``ImageClassifier(in_channels=1)`` + ``ImageDataModule()``
 (the embedded fashion-mnist-mini: 5,000 train / 2,000 probe / 1,000 val images, width 16,
-batch 128) with ``GrowUntilSaturated()`` at its defaults (a check after every epoch). Reports
+batch 128) with ``GrowUntilSaturated(monitor=None)`` at its defaults (a check after every epoch). Reports
 the fit's wall time, the time inside ``measure_saturation`` and their ratio, the per-sample
 cost of a probe sample relative to a training sample (``PROBE_COST``), and from those the
 projected probe share on the full Fashion-MNIST (57,000 train images, the same probe) and
@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L  # noqa: E402
 
-from growtrain.callback import PROBE_COST, GrowUntilSaturated  # noqa: E402
+from growtrain.callbacks import GrowUntilSaturated
+from growtrain.decision import PROBE_COST  # noqa: E402
 from growtrain.data import ImageDataModule  # noqa: E402
 from growtrain.module import ImageClassifier  # noqa: E402
 
@@ -132,7 +133,7 @@ def overhead(args) -> dict:
 def share(args) -> dict:
     L.seed_everything(0, verbose=False)
     timer = StepTimer()
-    grow = GrowUntilSaturated(verbose=False)  # the defaults: a check after every epoch
+    grow = GrowUntilSaturated(monitor=None, verbose=False)  # the defaults: a check after every epoch
     dm = ImageDataModule()
     t = trainer([timer, grow], max_epochs=args.epochs)
     start = time.perf_counter()

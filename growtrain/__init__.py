@@ -8,7 +8,7 @@ from growtrain.growable import GrowableStack, Site, find_growable, grown_blocks,
 from growtrain.saturation import SaturationReport, SiteRecord, measure_saturation
 
 _LAZY = {
-    "GrowUntilSaturated": "growtrain.callback",
+    "GrowUntilSaturated": "growtrain.callbacks.growth",
     "GrowableModuleMixin": "growtrain.module",
     "ImageClassifier": "growtrain.module",
     "LanguageModel": "growtrain.lm",

@@ -253,7 +253,8 @@ def rank_sites(report: "SaturationReport", top_k: int) -> list[str]:
         return []
     out = [report.best_site]
     if report.rule in ("crossfit", "relative"):
-        rest = [r for r in report.sites if r.lower is not None and r.lower > report.margin]
+        margin = getattr(report, "margin", report.delta)
+        rest = [r for r in report.sites if r.lower is not None and r.lower > margin]
         rest.sort(key=lambda r: -r.lower)
     else:
         rest = sorted(report.sites, key=lambda r: -r.grad_norm)

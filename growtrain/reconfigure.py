@@ -1,6 +1,6 @@
 """Optimizer and LR-scheduler reconfiguration after a block is inserted mid-fit.
 
-Plain functions, no Lightning hooks: :class:`growtrain.callback.GrowUntilSaturated` decides
+Plain functions, no Lightning hooks: :class:`growtrain.callbacks.GrowUntilSaturated` decides
 *when* to call them, these decide *what* changes.
 
 The rules (DESIGN.md §3, the paper's zero-state optimizer rule):

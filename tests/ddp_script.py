@@ -20,7 +20,7 @@ import os
 import lightning as L
 import torch
 
-from growtrain.callback import GrowUntilSaturated
+from growtrain.callbacks import GrowUntilSaturated
 from growtrain.data import ImageDataModule
 from growtrain.module import ImageClassifier
 
@@ -52,7 +52,7 @@ def main() -> None:
     module = ImageClassifier(width=4, num_classes=4)
     # cross-fit rule (its A/B split all-reduces mid-pass); 91 probe samples: shards of 46 and 45.
     # The untrained net grows at epochs 0 and 1 (lower bounds far above δ = 0); epoch 2 meets max_growths.
-    grow = GrowUntilSaturated(rule="crossfit", max_growths=2, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, rule="crossfit", max_growths=2, verbose=False)
     trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=args.epochs, callbacks=[grow],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, default_root_dir=args.out)  # fmt: skip

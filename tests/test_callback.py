@@ -20,18 +20,11 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-import growtrain.callback as callback_module
-from growtrain.callback import (
-    PROBE_COST,
-    FunctionChangedError,
-    GrowUntilSaturated,
-    _insertion_order,
-    decide_growth,
-    plateau_update,
-    probe_overlap,
-    rank_sites,
-    should_check,
-)
+import growtrain.callbacks.growth as callback_module
+from growtrain.callbacks import telemetry
+from growtrain.callbacks.growth import FunctionChangedError, GrowUntilSaturated, _insertion_order
+from growtrain.callbacks.probe_data import probe_overlap
+from growtrain.decision import PROBE_COST, decide_growth, plateau_update, rank_sites, should_check
 from growtrain.data import ImageDataModule
 from growtrain.growable import GrowableStack, grown_blocks
 from growtrain.module import GrowableModuleMixin, ImageClassifier
@@ -66,7 +59,7 @@ def test_grows_then_stops_at_saturation(tmp_path):
     L.seed_everything(0)
     dm, module = tiny_dm(), ImageClassifier(width=4, num_classes=4)
     depth0, params0 = module.network.depth(), sum(p.numel() for p in module.parameters())
-    grow = GrowUntilSaturated(rule="paper", cooldown=1, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, rule="paper", cooldown=1, verbose=False)
     logger = CSVLogger(tmp_path, name="run")
     trainer = tiny_trainer(tmp_path, [grow], logger=logger, log_every_n_steps=1)
     trainer.fit(module, dm)
@@ -110,12 +103,13 @@ def test_grows_then_stops_at_saturation(tmp_path):
 
 def test_table_printed_once_per_decision(tmp_path, monkeypatch):
     printed = []
-    monkeypatch.setattr(callback_module, "rank_zero_info", printed.append)  # no RichProgressBar: logged
+    monkeypatch.setattr(telemetry, "rank_zero_info", printed.append)  # no RichProgressBar: logged
     L.seed_everything(0)
-    grow = GrowUntilSaturated(rule="paper", t=1e-9, max_growths=1, verbose=True)
+    grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e-9, max_growths=1, verbose=True)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
     trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm(synthetic_size=200, probe_size=40))
     tables = [m for m in printed if "growth check" in m]
+    assert sum("GrowUntilSaturated: depth 3 → 4" in m for m in printed) == 1  # the end-of-fit summary
     assert len(tables) == len(grow.history) == 2
     assert "layer1.0" in tables[0] and "Γ̂" in tables[0] and "grow" in tables[0]
     assert "max_growths=1 reached" in tables[1]
@@ -124,7 +118,7 @@ def test_table_printed_once_per_decision(tmp_path, monkeypatch):
 def test_top_k_inserts_distinct_sites_with_valid_indices(tmp_path):
     L.seed_everything(0)
     module = ImageClassifier(width=4, num_classes=4, blocks=(2, 1, 1))
-    grow = GrowUntilSaturated(rule="paper", t=1e-9, top_k=3, max_growths=1, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e-9, top_k=3, max_growths=1, verbose=False)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
     trainer.fit(module, tiny_dm(synthetic_size=200, probe_size=40))
     first = grow.history[0]
@@ -153,7 +147,7 @@ def test_top_k_inserts_distinct_sites_with_valid_indices(tmp_path):
 
 def test_continue_keeps_training_without_further_checks(tmp_path):
     L.seed_everything(0)
-    grow = GrowUntilSaturated(rule="paper", t=1e3, on_saturated="continue", verbose=False)
+    grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e3, on_saturated="continue", verbose=False)
     steps = CountSteps()
     trainer = tiny_trainer(tmp_path, [grow, steps], max_epochs=3)
     trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm(synthetic_size=200, probe_size=40))
@@ -163,7 +157,7 @@ def test_continue_keeps_training_without_further_checks(tmp_path):
 
 def test_budget_ends_growth_but_not_training(tmp_path):
     L.seed_everything(0)
-    grow = GrowUntilSaturated(rule="paper", t=1e-9, max_blocks=4, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e-9, max_blocks=4, verbose=False)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=3)
     module = ImageClassifier(width=4, num_classes=4)
     trainer.fit(module, tiny_dm(synthetic_size=200, probe_size=40))
@@ -184,7 +178,7 @@ def test_function_change_is_rolled_back_with_a_clear_error(tmp_path):
 
     L.seed_everything(0)
     module = ImageClassifier(width=4, num_classes=4)
-    grow = GrowUntilSaturated(rule="paper", t=1e-9, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e-9, verbose=False)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
     callback_module.measure_saturation = tampered
     try:
@@ -241,7 +235,7 @@ def test_users_own_module_with_probe_loader_and_loss(tmp_path):
     probe = DataLoader(Subset(ds, range(160, 240)), batch_size=40)
     L.seed_everything(0)
     module = UserModule()
-    grow = GrowUntilSaturated(probe=lambda: probe, network="trunk", loss_fn=F.cross_entropy, rule="paper", t=1e-9,
+    grow = GrowUntilSaturated(monitor=None, probe=lambda: probe, network="trunk", loss_fn=F.cross_entropy, rule="paper", t=1e-9,
                               max_growths=1, verbose=False)  # fmt: skip
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
     trainer.fit(module, train)
@@ -303,7 +297,7 @@ def test_no_probe_is_refused_in_setup(tmp_path):
     dm.setup("fit")
     _assert_refused_before_training(
         tmp_path, ImageClassifier(width=4, num_classes=4), {"train_dataloaders": dm.train_dataloader()},
-        GrowUntilSaturated(verbose=False), "probe: no probe data",
+        GrowUntilSaturated(monitor=None, verbose=False), "probe: no probe data",
     )  # fmt: skip
 
 
@@ -311,9 +305,9 @@ def test_probe_overlapping_training_data_is_refused(tmp_path):
     ds = _blobs()
     train = DataLoader(Subset(ds, range(0, 160)), batch_size=32)
     probe = DataLoader(Subset(ds, range(150, 200)), batch_size=25)  # 10 samples shared
-    grow = GrowUntilSaturated(probe=probe, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, probe=probe, verbose=False)
     _assert_refused_before_training(tmp_path, UserModule(), {"train_dataloaders": train}, grow, "overlaps the training")
-    same = GrowUntilSaturated(probe=DataLoader(ds, batch_size=40), verbose=False)
+    same = GrowUntilSaturated(monitor=None, probe=DataLoader(ds, batch_size=40), verbose=False)
     _assert_refused_before_training(tmp_path, UserModule(), {"train_dataloaders": DataLoader(ds)}, same, "same dataset")
 
 
@@ -322,7 +316,7 @@ def test_datamodule_with_overlapping_indices_is_refused(tmp_path):
     dm.setup("fit")
     dm._split = (dm._split[0], torch.cat([dm._split[1], dm._split[0][:3]]), dm._split[2])  # leak 3 train images
     _assert_refused_before_training(tmp_path, ImageClassifier(width=4, num_classes=4), {"datamodule": dm},
-                                    GrowUntilSaturated(verbose=False), "share 3 sample")  # fmt: skip
+                                    GrowUntilSaturated(monitor=None, verbose=False), "share 3 sample")  # fmt: skip
 
 
 def test_model_without_growable_network_is_refused(tmp_path):
@@ -354,7 +348,7 @@ def test_unsupported_strategies_are_refused_in_setup():
     for strategy, match in ((FSDPStrategy(), "FSDPStrategy"), (spawn, "spawn/fork-based DDP")):
         trainer = SimpleNamespace(strategy=strategy, world_size=2, datamodule=None)
         with pytest.raises(RuntimeError, match=match):
-            GrowUntilSaturated(verbose=False).setup(trainer, module, "fit")
+            GrowUntilSaturated(monitor=None, verbose=False).setup(trainer, module, "fit")
     assert module.network.growth_log == []
 
 
@@ -389,22 +383,35 @@ def test_probe_budget_postpones_checks_by_trained_samples(tmp_path):
     # 32 = 160 samples, so the first check is due after ceil(PROBE_COST × 1000 / 160) epochs
     due = math.ceil(PROBE_COST * 1000 / 160)
     L.seed_everything(0)
-    grow = GrowUntilSaturated(probe_budget=0.2, rule="paper", t=1e3, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, probe_budget=0.2, rule="paper", t=1e3, verbose=False)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=due + 1, limit_train_batches=5)
     trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm())
     assert [h["epoch"] for h in grow.history] == [due - 1]
     assert grow.state_dict()["trained_since_check"] == 0
 
 
-def test_crossfit_rule_with_alpha_spending(tmp_path):
+def test_crossfit_rule_with_alpha_spending(tmp_path, monkeypatch):
     """Cross-fit bound, geometric α-spending, δ = 0.1: epoch 0's lower bound ≈ 3.7 grows; two
     epochs later it is ≈ 0 (saturated). Levels α/2, α/4."""
+    import growtrain.crossfit as crossfit_module
+
+    used = []  # the level each decision's lower bounds were computed at, where they are computed
+    real_factor = crossfit_module._bound_factor
+
+    def spy(level, m, bound):
+        used.append(level)
+        return real_factor(level, m, bound)
+
+    monkeypatch.setattr(crossfit_module, "_bound_factor", spy)
     L.seed_everything(0)
-    grow = GrowUntilSaturated(rule="crossfit", delta=0.1, alpha_spending="geometric", cooldown=1, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, rule="crossfit", delta=0.1, alpha_spending="geometric", cooldown=1, verbose=False)
     trainer = tiny_trainer(tmp_path, [grow])
     trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm())
     assert [h["action"] for h in grow.history] == ["grow", "saturated"]
     assert [h["level"] for h in grow.history] == [0.025, 0.0125]
+    # Bonferroni over the K sites scored at that check, inside the bound computation itself
+    sites = [len(h["site_scores"]) for h in grow.history]
+    assert used == pytest.approx([0.025 / sites[0], 0.0125 / sites[1]], rel=1e-12)
     first, last = grow.history
     assert first["rule"] == "crossfit" and first["lower"] > 10 * 0.1 and last["lower"] < 0.1
     assert first["extra"]["paper_decision"] in ("grow", "saturated")

@@ -30,7 +30,7 @@ trainer:
   enable_model_summary: false
   default_root_dir: {root}
   callbacks:
-    - class_path: growtrain.callback.GrowUntilSaturated
+    - class_path: growtrain.callbacks.GrowUntilSaturated
       init_args: {{t: 1.0e-6, max_growths: 1, on_saturated: continue, verbose: false}}
 model:
   class_path: growtrain.module.ImageClassifier

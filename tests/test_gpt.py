@@ -195,7 +195,7 @@ def test_checkpoint_round_trip_rebuilds_the_grown_depth(datamodule, tmp_path):
 
 def test_fit_grows_and_resumes_with_the_grown_depth(datamodule, tmp_path):
     callback = pytest.importorskip("growtrain.callback", reason="growtrain.GrowUntilSaturated is not written yet")
-    grow = callback.GrowUntilSaturated(every_n_epochs=1, delta=0.0, t=1e-6, max_growths=1)
+    grow = callback.GrowUntilSaturated(monitor=None, every_n_epochs=1, delta=0.0, t=1e-6, max_growths=1)
     model = tiny_lm(datamodule, n_layer=1)
     t = trainer(tmp_path, max_epochs=2, callbacks=[grow])
     t.fit(model, datamodule)
@@ -204,7 +204,7 @@ def test_fit_grows_and_resumes_with_the_grown_depth(datamodule, tmp_path):
     path = tmp_path / "after_growth.ckpt"
     t.save_checkpoint(path)
     resumed = tiny_lm(datamodule, n_layer=1)
-    again = callback.GrowUntilSaturated(every_n_epochs=1, delta=0.0, t=1e-6, max_growths=1)
+    again = callback.GrowUntilSaturated(monitor=None, every_n_epochs=1, delta=0.0, t=1e-6, max_growths=1)
     t2 = trainer(tmp_path / "resume", max_epochs=3, callbacks=[again])
     t2.fit(resumed, datamodule, ckpt_path=str(path))
     assert resumed.network.depth() == 2  # rebuilt from the checkpoint; max_growths already used

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.optim.lr_scheduler import MultiStepLR, StepLR
 from torch.utils.data import DataLoader, Sampler
 
-from growtrain.callback import GrowUntilSaturated
+from growtrain.callbacks import GrowUntilSaturated
 from growtrain.data import ImageDataModule
 from growtrain.data.datamodule import _as_batch
 from growtrain.module import ImageClassifier
@@ -72,7 +72,7 @@ def _run(root: Path, mode: str, *, crash: int | None = None, ckpt: str | None = 
     module = ImageClassifier(width=4, num_classes=4, optimizer=lambda p: torch.optim.AdamW(p, lr=5e-3),
                              lr_scheduler=scheduler)  # fmt: skip
     # t tiny: every check grows; checks at the ends of epochs 1 and 3
-    grow = GrowUntilSaturated(rule="paper", t=1e-9, every_n_epochs=2, max_growths=2, lr_schedule=mode, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e-9, every_n_epochs=2, max_growths=2, lr_schedule=mode, verbose=False)
     callbacks = [grow, ModelCheckpoint(dirpath=root, save_last=True, every_n_epochs=1)]
     if crash is not None:
         callbacks.append(Crash(crash))

@@ -10,6 +10,7 @@ from growtrain.callbacks._select import growth_callbacks
 from growtrain.callbacks.compute import ComputeMeter, forward_flops
 from growtrain.callbacks.early_stopping import TrainLossEarlyStopping
 from growtrain.callbacks.gamma_plot import GammaTracePlot, save_gamma_trace
+from growtrain.callbacks.growth import GrowUntilSaturated
 
 __all__ = [
     "ComputeMeter",
@@ -20,13 +21,3 @@ __all__ = [
     "growth_callbacks",
     "save_gamma_trace",
 ]
-
-
-def __getattr__(name: str):
-    # GrowUntilSaturated moves into growtrain/callbacks/growth.py; until then it lives in
-    # growtrain.callback. Loaded on first use so this package imports whichever exists.
-    if name == "GrowUntilSaturated":
-        from growtrain.callbacks._select import GrowUntilSaturated
-
-        return GrowUntilSaturated
-    raise AttributeError(f"module 'growtrain.callbacks' has no attribute {name!r}")

@@ -6,10 +6,7 @@ from typing import Sequence
 
 from lightning.pytorch import Callback
 
-try:  # the callback's new home; until it lands, its current one
-    from growtrain.callbacks.growth import GrowUntilSaturated
-except ModuleNotFoundError:  # pragma: no cover - transitional
-    from growtrain.callback import GrowUntilSaturated
+from growtrain.callbacks.growth import GrowUntilSaturated
 
 __all__ = ["as_callback_list", "growth_callbacks"]
 

@@ -1,0 +1,620 @@
+"""``GrowUntilSaturated``: grow the network mid-fit while the certified test says depth pays.
+
+Data flow at each check (docs/design.md, "Growth step")::
+
+    train-loss plateau → measure_saturation (all sites, one pass) → verdict (growtrain.decision)
+    → network.grow (function-preserving, verified, rolled back on failure) → zero-state optimizer
+    → DDP re-wrap → history / loggers / table / growth_history.json
+
+The hooks only gather inputs; ``growtrain.decision`` decides (``should_check``,
+``decide_growth``: the ``EarlyStopping`` pattern), so every rank that sees the same all-reduced
+probe sums takes the same action. Options are validated once, in ``GrowthConfig``.
+
+What a checkpoint holds: the module's ``GrowableModuleMixin`` stores the growth record and
+replays it before the weights load; this callback's ``state_dict`` keeps its history and
+counters. Candidate blocks are seeded by check index (``seed·1000 + check``), so a resumed run
+inserts exactly the blocks an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Iterable, Literal, Sequence
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
+
+from growtrain import decision as dec
+from growtrain.callbacks import telemetry
+from growtrain.callbacks.growth_config import GrowthConfig
+from growtrain.callbacks.probe_data import (
+    ProbeView, check_split_indices, datasets_of, eval_output, first_input, loaders_of, probe_overlap, shard_loader,
+)  # fmt: skip
+from growtrain.growable import find_growable, grown_blocks
+from growtrain.reconfigure import reconfigure_optimizer, restart_schedulers
+from growtrain.saturation import SaturationReport, measure_saturation
+
+__all__ = ["GrowUntilSaturated", "FunctionChangedError"]
+
+_UNSUPPORTED_STRATEGIES = {
+    "FSDPStrategy": "FSDP shards parameters, so a block cannot be inserted into one rank's module",
+    "DeepSpeedStrategy": "DeepSpeed owns the optimizer and partitions parameters",
+    "ModelParallelStrategy": "model-parallel layouts are fixed at setup",
+    "XLAStrategy": "not tested with growth",
+    "XLAFSDPStrategy": "FSDP shards parameters",
+}
+
+
+class FunctionChangedError(RuntimeError):
+    """An inserted block changed the network's output: the insertion was rolled back."""
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    from growtrain.saturation import _to_device
+
+    return _to_device(obj, device)
+
+
+def _undo_growth(network: nn.Module, blocks: Sequence[nn.Module], log_len: int) -> None:
+    """Roll back an insertion: the network's own ``undo_growth`` when it has one."""
+    undo = getattr(network, "undo_growth", None)
+    if callable(undo):
+        undo(blocks, log_len)
+        return
+    for block in reversed(list(blocks)):  # a user's network without the method (GrowableMixin has it)
+        for module in network.modules():
+            if isinstance(module, (nn.ModuleList, nn.Sequential)):
+                hit = [i for i, m in enumerate(module) if m is block]
+                if hit:
+                    del module[hit[0]]
+                    break
+    del network.growth_log[log_len:]
+
+
+def _insertion_order(names: Sequence[str]) -> list[str]:
+    """Sites as ``stage.index`` names, deepest index first within a stage, so that inserting one
+    never shifts the index of a site not yet used."""
+
+    def key(name: str):
+        stage, _, index = name.rpartition(".")
+        return (stage, -int(index)) if index.isdigit() else (name, 0)
+
+    return sorted(names, key=key)
+
+
+class GrowUntilSaturated(Callback):
+    """Insert function-preserving blocks while the certified test says depth still pays.
+
+    Quick start (growtrain's module and datamodule need no arguments)::
+
+        trainer = lightning.Trainer(callbacks=[GrowUntilSaturated(on_saturated="anneal")])
+        trainer.fit(ImageClassifier(in_channels=1), ImageDataModule())
+
+    By default a check runs when the training loss has plateaued (the current stage has
+    converged) and decides with the relative rule: grow only when a new block's certified
+    first-order value is at least ``tau`` times that of an average existing block
+    (docs/decision.md). Your own LightningModule: keep the growable network as a submodule
+    (``cifar_resnet``, ``GrowableStack``), add ``GrowableModuleMixin`` for checkpoints, build
+    the optimizer from ``growtrain.optim.param_groups(network)`` so resumed runs line up, log
+    ``train_loss`` per epoch, and give the callback a probe (``probe=`` or
+    ``datamodule.probe_dataloader()``) that never feeds training.
+
+    Args:
+        probe: a DataLoader of ``(input, target)`` held out from training, or a callable
+            returning one; ``None`` uses ``trainer.datamodule.probe_dataloader()``.
+        network: the growable network: ``None`` finds the first submodule with ``sites()`` and
+            ``grow()``; a dotted attribute path (``"network"``, ``"model.backbone"``); or the
+            module itself (it must be part of the LightningModule).
+        loss_fn: ``loss_fn(output, target)`` → mean batch loss for the probe; ``None`` uses
+            ``pl_module.probe_loss`` if defined, else cross-entropy.
+        every_n_epochs: with ``monitor=None``, check at the end of every n-th training epoch
+            (counted from the last check).
+        monitor: a metric logged per epoch (default ``"train_loss"``): check only when it has
+            plateaued, i.e. the current stage has converged (the paper grows a converged
+            network). ``None`` checks every ``every_n_epochs``.
+        mode: ``"min"`` or ``"max"``: the direction in which ``monitor`` improves.
+        patience: epochs without an improvement that make a plateau.
+        min_delta: smallest absolute change of ``monitor`` that counts as an improvement.
+        min_rel_delta: smallest change relative to the best value (0.01 = 1 %) that counts as an
+            improvement; the larger of the two applies. Relative, so a loss scaled by 10 makes
+            the same plateaus (and, with the relative rule, the same decisions).
+        min_stage_epochs: a stage (epochs since the start or the last growth) must be at least
+            this long before a plateau check.
+        cooldown: training epochs after each growth during which no check runs.
+        probe_budget: ``None`` or a fraction, e.g. ``0.05``: a due check is postponed until the
+            samples trained since the last check cover it (``PROBE_COST · probe size ≤
+            probe_budget · trained samples``, ``growtrain.decision.PROBE_COST`` = 3).
+        delta: an absolute practical-saturation margin δ ≥ 0 (gradient-norm units): the
+            cross-fit rule's margin; a floor under the relative rule's ``τ·R``.
+        alpha: target error probability in (0, 1) for each decision (or the run's total with
+            ``alpha_spending``).
+        t: the separation of Proposition 1; giving it selects the paper's rule.
+        rule: ``"relative"`` (default: lower bound > max(δ, τ·R)), ``"crossfit"`` (lower bound
+            > δ) or ``"paper"`` (Γ̂ > δ + t). All verdicts the pass can compute are reported at
+            every check (``history[i]["verdicts"]``).
+        tau: the relative rule's threshold τ > 0: the fraction of an average existing block's
+            gradient norm ``R`` that a new block must certify.
+        alpha_spending: ``"constant"`` (every check at level α; with stop-at-first-saturated the
+            checks are a fixed-sequence procedure), ``"geometric"`` or ``"inverse_square"``
+            (all checks together err with probability ≤ α; ``growtrain.crossfit.alpha_schedule``).
+        top_k: grow at up to this many distinct certified sites per check.
+        max_growths, max_blocks, max_params: budgets; reaching one ends growth (reason "budget").
+        on_saturated: when growth ends, ``"stop"`` ends ``fit`` (saturated) ; ``"continue"`` keeps
+            training at that depth with no further checks; ``"anneal"`` trains the final network
+            for ``anneal_epochs`` more epochs with the learning rate annealed by a cosine from its
+            current value to 0, then stops (also after a budget), so one fit yields a finished model.
+        anneal_epochs: the length of that final anneal.
+        lr_schedule: after growth, new groups ``"continue"`` on the current schedule, or every
+            scheduler ``"restart"`` s from step 0 for the new stage.
+        projected: also compute ``V_S`` (Gram matrices; logged, not needed by the decision).
+        calibrate: set candidate blocks' BatchNorm statistics on the probe inputs first.
+        seed: candidate blocks for check ``k`` come from ``seed·1000 + k``.
+        log_sites: log and keep per-site figures (``growth/<site>/grad_norm|projected|ag``).
+        verbose: print one table per check and a summary at the end of the fit (rank 0).
+
+    Attributes:
+        history: one plain dict per check (``epoch``, ``step``, ``site``, ``gamma``,
+            ``threshold``, ``saturated``, ``params``, ``depth``, ``reason``, ``rule``, ``margin``,
+            ``lower``, ``reference``, ``ratio``, ``verdicts``, ``level``, ``action``, ...).
+    """
+
+    def __init__(
+        self,
+        probe: DataLoader | Callable[[], Iterable] | None = None,
+        network: str | nn.Module | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        every_n_epochs: int = 1,
+        monitor: str | None = "train_loss",
+        mode: Literal["min", "max"] = "min",
+        patience: int = 3,
+        min_delta: float = 0.0,
+        min_rel_delta: float = 0.01,
+        min_stage_epochs: int = 2,
+        cooldown: int = 0,
+        probe_budget: float | None = None,
+        delta: float = 0.0,
+        alpha: float = 0.05,
+        t: float | None = None,
+        rule: Literal["paper", "crossfit", "relative"] | None = None,
+        tau: float = dec.DEFAULT_TAU,
+        alpha_spending: Literal["constant", "geometric", "inverse_square"] = "constant",
+        top_k: int = 1,
+        max_growths: int | None = None,
+        max_blocks: int | None = None,
+        max_params: int | None = None,
+        on_saturated: Literal["stop", "continue", "anneal"] = "stop",
+        anneal_epochs: int = 10,
+        lr_schedule: Literal["continue", "restart"] = "continue",
+        projected: bool = False,
+        calibrate: bool = True,
+        seed: int = 0,
+        log_sites: bool = True,
+        verbose: bool = True,
+    ):
+        super().__init__()
+        options = dict(locals())
+        options.pop("self"), options.pop("__class__", None)
+        self.config = GrowthConfig(**options)
+        for name in GrowthConfig.names():  # the validated options as attributes (callback.rule, ...)
+            setattr(self, "network_spec" if name == "network" else name, getattr(self.config, name))
+        self._network: nn.Module | None = None
+        self._loss: Callable | None = None
+        self._reset_state()
+        self.probe_seconds = 0.0  # wall time inside measure_saturation, this process (not saved)
+        self._fit_start = 0.0
+
+    def _reset_state(self) -> None:
+        self.history: list[dict] = []
+        self.checks = 0  # probe checks run (seeds candidate blocks)
+        self.growths = 0  # checks that grew
+        self.inserted = 0  # blocks inserted by this callback
+        self.alpha_index = 0  # α-spending tests used
+        self.best: float | None = None
+        self.wait = 0
+        self.cooldown_left = 0
+        self.epochs_since_check = 0
+        self.stage_epochs = 0  # epochs since the start or the last growth
+        self.trained_since_check = 0  # training samples (all ranks) since the last check
+        self.finished: str | None = None
+        self.stop_reason: str | None = None
+        self.restart_pending = False
+        self.start_depth: int | None = None
+        self.anneal_done: int | None = None  # epochs of the final anneal done (None: not annealing)
+        self.anneal_base_lrs: list[float] = []
+
+    # -- checkpoint state ------------------------------------------------------------------
+    _STATE_INTS = ("checks", "growths", "inserted", "alpha_index", "wait", "cooldown_left", "epochs_since_check",
+                   "stage_epochs", "trained_since_check")  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {k: getattr(self, k) for k in self._STATE_INTS}
+        state.update(history=self.history, best=self.best, finished=self.finished, stop_reason=self.stop_reason,
+                     restart_pending=self.restart_pending, start_depth=self.start_depth,
+                     anneal_done=self.anneal_done, anneal_base_lrs=self.anneal_base_lrs)  # fmt: skip
+        return telemetry.plain(state)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._reset_state()
+        self.history = [dict(h) for h in state_dict.get("history", [])]
+        for key in self._STATE_INTS:
+            setattr(self, key, int(state_dict.get(key, 0)))
+        self.best = state_dict.get("best")
+        self.finished = state_dict.get("finished")
+        self.stop_reason = state_dict.get("stop_reason")
+        self.restart_pending = bool(state_dict.get("restart_pending", False))
+        self.start_depth = state_dict.get("start_depth")
+        self.anneal_done = state_dict.get("anneal_done")
+        self.anneal_base_lrs = [float(v) for v in state_dict.get("anneal_base_lrs", [])]
+
+    # -- setup: refuse early ------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._check_strategy(trainer)
+        self._network = self._resolve_network(pl_module, required=not self._builds_late(pl_module))
+        self._loss = self._resolve_loss(pl_module)
+        if self.probe is None:
+            dm = trainer.datamodule
+            if dm is None or not callable(getattr(dm, "probe_dataloader", None)):
+                raise ValueError(
+                    "probe: no probe data. GrowUntilSaturated needs a held-out probe sample: pass "
+                    "GrowUntilSaturated(probe=<DataLoader or callable>) or use a datamodule with a "
+                    "probe_dataloader() method (growtrain.data.ImageDataModule has one). The probe must never "
+                    "be trained on."
+                )
+            check_split_indices(dm)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._fit_start = time.perf_counter()
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._network is None:
+            self._network = self._resolve_network(pl_module, required=True)
+        if self.start_depth is None:
+            self.start_depth = self._depth(self._network)
+        probe = self._probe_loader(trainer)
+        probe_ds = getattr(probe, "dataset", None)
+        for ds in datasets_of(trainer.train_dataloader):
+            overlap = probe_overlap(probe_ds, ds)
+            if overlap is not None:
+                raise ValueError(
+                    f"probe: the probe sample overlaps the training data ({overlap}). The certificate needs a "
+                    "probe independent of training. Fix: carve the probe out of the training split (e.g. "
+                    "ImageDataModule's probe_size) and never train on it."
+                )
+
+    def _check_strategy(self, trainer: Trainer) -> None:
+        strategy = trainer.strategy
+        names = {cls.__name__ for cls in type(strategy).__mro__}
+        for name, why in _UNSUPPORTED_STRATEGIES.items():
+            if name in names:
+                raise RuntimeError(
+                    f"strategy: GrowUntilSaturated does not support {type(strategy).__name__} ({why}). "
+                    "Supported: single device and strategy='ddp'."
+                )
+        launcher = getattr(strategy, "launcher", None)
+        if launcher is not None and type(launcher).__name__ == "_MultiProcessingLauncher":
+            raise RuntimeError(
+                f"strategy: GrowUntilSaturated does not support spawn/fork-based DDP "
+                f"(start_method={getattr(strategy, '_start_method', '?')!r}): Lightning copies rank 0's weights back "
+                "into the un-grown parent model with strict=False, silently dropping the grown blocks. "
+                "Fix: use strategy='ddp' (subprocess launcher) and run your script from the command line."
+            )
+        if trainer.world_size > 1 and not hasattr(strategy, "configure_ddp"):
+            raise RuntimeError(
+                f"strategy: {type(strategy).__name__} with {trainer.world_size} processes is not supported; "
+                "use strategy='ddp'."
+            )
+
+    @staticmethod
+    def _builds_late(pl_module: LightningModule) -> bool:
+        """Does the module build its layers in ``configure_model``/``setup`` (after callback setup)?"""
+        cls = type(pl_module)
+        return any(getattr(cls, hook) is not getattr(LightningModule, hook) for hook in ("configure_model", "setup"))
+
+    def _resolve_network(self, pl_module: LightningModule, required: bool) -> nn.Module | None:
+        import growtrain.growable as growable
+
+        resolve = getattr(growable, "resolve_network", None)
+        if resolve is not None:  # the one resolver (growable.py)
+            return resolve(pl_module, self.network_spec, required=required)
+        spec = self.network_spec
+        if isinstance(spec, nn.Module):
+            if not any(m is spec for m in pl_module.modules()):
+                raise ValueError(
+                    "network: the given module is not part of the LightningModule, so the optimizer would not "
+                    "train it. Fix: pass the attribute path instead, e.g. network='network'."
+                )
+            return spec
+        if isinstance(spec, str):
+            try:
+                return pl_module.get_submodule(spec)
+            except AttributeError:
+                if not required:
+                    return None
+                raise ValueError(f"network: {type(pl_module).__name__} has no submodule {spec!r}.") from None
+        network = find_growable(pl_module)
+        if network is None and required:
+            raise ValueError(f"network: {type(pl_module).__name__} has no growable submodule (sites() and grow()).")
+        return network
+
+    def _resolve_loss(self, pl_module: LightningModule) -> Callable:
+        if self.loss_fn is not None:
+            return self.loss_fn
+        probe_loss = getattr(pl_module, "probe_loss", None)
+        return probe_loss if callable(probe_loss) else F.cross_entropy
+
+    def _probe_loader(self, trainer: Trainer) -> Any:
+        source = self.probe
+        if source is None:
+            loader = trainer.datamodule.probe_dataloader()
+        elif isinstance(source, DataLoader) or not callable(source):
+            loader = source
+        else:
+            loader = source()
+        return shard_loader(loader, trainer.global_rank, trainer.world_size)
+
+    # -- hooks -----------------------------------------------------------------------------
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.restart_pending:
+            self._restart_schedules(trainer, pl_module)
+        if self.anneal_done is not None:
+            self._set_anneal_lr(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.anneal_done is not None:
+            self.anneal_done += 1
+            if self.anneal_done >= self.anneal_epochs:
+                trainer.should_stop = True
+            return
+        if self.finished is not None:
+            return
+        self.epochs_since_check += 1
+        self.stage_epochs += 1
+        self.trained_since_check += self._samples_per_epoch(trainer)
+        if self.cooldown_left > 0:
+            self.cooldown_left -= 1
+            return
+        plateaued = self._track_monitor(trainer) if self.monitor is not None else False
+        check, _ = dec.should_check(
+            finished=self.finished, cooldown_left=self.cooldown_left, epochs_since_check=self.epochs_since_check,
+            every_n_epochs=self.every_n_epochs, monitor=self.monitor, plateaued=plateaued,
+            min_stage_epochs=self.min_stage_epochs, stage_epochs=self.stage_epochs, probe_budget=self.probe_budget,
+            trained_samples=self.trained_since_check,
+            probe_samples=self._probe_samples(trainer) if self.probe_budget is not None else 0,
+        )  # fmt: skip
+        if trainer.world_size > 1:
+            check = trainer.strategy.reduce_boolean_decision(check, all=False)
+        if check:
+            self._check(trainer, pl_module)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not (self.verbose and trainer.is_global_zero) or self._network is None:
+            return
+        keys = ("train_loss", "val_loss", "train_acc", "val_acc")
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k in keys}
+        telemetry.print_renderable(trainer, telemetry.fit_summary(
+            self.history, start_depth=self.start_depth, final_depth=self._depth(self._network), finished=self.finished,
+            stop_reason=self.stop_reason, metrics=metrics, probe_seconds=self.probe_seconds,
+            fit_seconds=time.perf_counter() - self._fit_start,
+        ))  # fmt: skip
+
+    @staticmethod
+    def _samples_per_epoch(trainer: Trainer) -> int:
+        """Training samples of one epoch over all ranks: batches (after ``limit_train_batches``)
+        × the train loader's batch size × world size (a count, not a measurement)."""
+        batches = trainer.num_training_batches
+        loaders = trainer.train_dataloader
+        loader = loaders if isinstance(loaders, DataLoader) else next(iter(loaders_of(loaders)), None)
+        size = getattr(loader, "batch_size", None) or 1
+        if not isinstance(batches, (int, float)) or not math.isfinite(batches):
+            return 0
+        return int(batches) * int(size) * trainer.world_size
+
+    def _probe_samples(self, trainer: Trainer) -> int:
+        loader = self._probe_loader(trainer)
+        dataset = getattr(loader, "dataset", None)
+        try:
+            return len(dataset) if dataset is not None else sum(len(b[-1]) for b in loader)
+        except TypeError:
+            return 0
+
+    def _track_monitor(self, trainer: Trainer) -> bool:
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is None:
+            raise RuntimeError(
+                f"monitor: metric {self.monitor!r} is not logged; available: {sorted(trainer.callback_metrics)}. "
+                "Fix: log it per epoch (self.log('train_loss', loss, on_epoch=True)) or pass monitor=None "
+                "(checks every every_n_epochs)."
+            )
+        value = float(value)
+        min_delta = max(self.min_delta, self.min_rel_delta * abs(self.best)) if self.best is not None else 0.0
+        self.best, self.wait, plateaued = dec.plateau_update(
+            value, self.best, self.wait, mode=self.mode, min_delta=min_delta, patience=self.patience
+        )
+        return plateaued
+
+    # -- one check -------------------------------------------------------------------------
+    def _check(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        network = self._network
+        assert network is not None
+        self.epochs_since_check = 0
+        self.trained_since_check = 0
+        depth = self._depth(network)
+        params = telemetry.count_params(network)
+        record: dict[str, Any] = {
+            "check": self.checks, "epoch": trainer.current_epoch, "step": trainer.global_step,
+            "depth_before": depth, "params_before": params, "level": None,
+        }  # fmt: skip
+        blocked = dec.budget_reason(
+            growths=self.growths, max_growths=self.max_growths, depth=depth, max_blocks=self.max_blocks,
+            params=params, max_params=self.max_params,
+        )  # fmt: skip
+        report = None
+        if blocked is not None:  # known before probing: save the probe
+            action, reason, sites = "budget", blocked, []
+        else:
+            report, record["level"] = self._measure(trainer, pl_module, network)
+            ranked = dec.rank_sites(report, self.top_k)
+            block_params = {name: telemetry.count_params(report.record(name).block) for name in ranked}
+            action, reason, sites = dec.decide_growth(
+                saturated=report.saturated, ranked=ranked, block_params=block_params, growths=self.growths,
+                max_growths=self.max_growths, depth=depth, max_blocks=self.max_blocks, params=params,
+                max_params=self.max_params, reason=report.reason,
+            )  # fmt: skip
+        if action == "grow":
+            record.update(self._grow(trainer, pl_module, network, report, sites))
+        else:
+            self._finish(trainer, "saturated" if action == "saturated" else "budget", reason)
+        record.update(telemetry.check_record(report, action, reason, sites, network, self._depth(network),
+                                             self.log_sites))  # fmt: skip
+        self.history.append(telemetry.plain(record))
+        self._emit(trainer, report, record)
+
+    def _finish(self, trainer: Trainer, why: str, reason: str) -> None:
+        """Growth has ended: stop, continue at this depth, or start the final anneal."""
+        self.finished, self.stop_reason = why, reason
+        if self.on_saturated == "anneal":
+            optimizer = self._optimizer_for(trainer, self._network)
+            if optimizer is not None:
+                self.anneal_done = 0
+                self.anneal_base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+                rank_zero_info(f"GrowUntilSaturated: growth ended ({why}); annealing the learning rate to 0 over "
+                               f"{self.anneal_epochs} epoch(s), then stopping")  # fmt: skip
+        elif why == "saturated" and self.on_saturated == "stop":
+            trainer.should_stop = True
+            rank_zero_info(f"GrowUntilSaturated: stopping training at epoch {trainer.current_epoch}: {reason}")
+
+    def _set_anneal_lr(self, trainer: Trainer) -> None:
+        """The final anneal: ``lr = base · ½(1 + cos(π·(k+1)/(T+1)))`` in epoch ``k`` of ``T``; the
+        network's schedulers are set aside, so the user's schedule does not fight it."""
+        optimizer = self._optimizer_for(trainer, self._network)
+        if optimizer is None:
+            return
+        configs = trainer.strategy.lr_scheduler_configs
+        trainer.strategy.lr_scheduler_configs = [c for c in configs if c.scheduler.optimizer is not optimizer]
+        factor = 0.5 * (1.0 + math.cos(math.pi * (self.anneal_done + 1) / (self.anneal_epochs + 1)))
+        for group, base in zip(optimizer.param_groups, self.anneal_base_lrs):
+            group["lr"] = base * factor
+
+    def _measure(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module) -> tuple[SaturationReport, float]:
+        level = self.alpha
+        if self.alpha_spending != "constant":
+            from growtrain.crossfit import alpha_schedule
+
+            level = float(alpha_schedule(self.alpha, self.alpha_index, scheme=self.alpha_spending))
+        sync_fn = None
+        if trainer.world_size > 1:
+            sync_fn = lambda t: trainer.strategy.reduce(t, reduce_op="sum")  # noqa: E731
+        start = time.perf_counter()
+        report = measure_saturation(
+            ProbeView(pl_module, network), self._probe_loader(trainer), self._loss, delta=self.delta, alpha=level,
+            t=self.t, projected=self.projected, rule=self.rule, tau=self.tau, seed=self.seed * 1000 + self.checks,
+            calibrate=self.calibrate, autocast_dtype=self._autocast_dtype(trainer), sync_fn=sync_fn,
+        )  # fmt: skip
+        self.probe_seconds += time.perf_counter() - start
+        self.checks += 1
+        self.alpha_index += 1
+        return report, level
+
+    @staticmethod
+    def _autocast_dtype(trainer: Trainer) -> torch.dtype | None:
+        precision = str(trainer.precision)
+        if precision.startswith("bf16-mixed"):
+            return torch.bfloat16
+        if precision.startswith("16-mixed"):
+            return torch.float16 if trainer.strategy.root_device.type == "cuda" else torch.bfloat16
+        return None
+
+    @staticmethod
+    def _depth(network: nn.Module) -> int | None:
+        depth = getattr(network, "depth", None)
+        return int(depth()) if callable(depth) else None
+
+    def _grow(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module, report: SaturationReport,
+              sites: Sequence[str]) -> dict:  # fmt: skip
+        """Insert the scored candidates, verify the output, then reconfigure optimizer and DDP."""
+        device = next(network.parameters()).device
+        view = ProbeView(pl_module, network)
+        x = _to(first_input(self._probe_loader(trainer)), device)
+        before = eval_output(view, x)
+        log_len = len(network.growth_log)
+        inserted: list[nn.Module] = []
+        try:
+            for name in _insertion_order(sites):
+                inserted.append(network.grow(name, block=report.record(name).block))
+            after = eval_output(view, x)
+            change = float((after.float() - before.float()).abs().max()) if before.numel() else 0.0
+            tolerance = dec.insertion_tolerance(before.dtype, float(before.float().abs().max()) if before.numel() else 1.0)
+            if not math.isfinite(change) or change > tolerance or after.shape != before.shape:
+                raise FunctionChangedError(
+                    f"inserting blocks at {list(sites)} changed the network's output on a probe batch by "
+                    f"max|Δ|={change:.3g} > tolerance {tolerance:.3g} ({before.dtype}); the insertion was undone. "
+                    "A zero-output block must leave the function unchanged: check the family's zero_init_last() and "
+                    "that the site's input is in the block's identity regime (e.g. z ≥ 0 for 'basic' blocks)."
+                )
+        except BaseException:
+            _undo_growth(network, inserted, log_len)
+            raise
+        ks = list(range(log_len, log_len + len(inserted)))
+        blocks_in_k_order = [b for b in grown_blocks(network) if any(b is i for i in inserted)] or inserted
+        optimizer = self._optimizer_for(trainer, network)
+        if optimizer is not None:
+            reconfigure_optimizer(pl_module, optimizer, trainer.strategy.lr_scheduler_configs, blocks_in_k_order, ks)
+            if self.lr_schedule == "restart" and trainer.strategy.lr_scheduler_configs:
+                self.restart_pending = True
+        self._rewrap_ddp(trainer)
+        self.inserted += len(inserted)
+        self.growths += 1
+        self.cooldown_left = self.cooldown
+        self.best, self.wait, self.stage_epochs = None, 0, 0
+        return {"max_abs_change": change, "tolerance": tolerance, "growth_index": ks}
+
+    @staticmethod
+    def _optimizer_for(trainer: Trainer, network: nn.Module | None):
+        if network is None:
+            return None
+        ids = {id(p) for p in network.parameters()}
+        for opt in trainer.optimizers:
+            if any(id(p) in ids for g in opt.param_groups for p in g["params"]):
+                return opt
+        if trainer.optimizers:
+            rank_zero_warn("GrowUntilSaturated: no optimizer holds the network's parameters; new blocks were not added")
+        return None
+
+    def _restart_schedules(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        optimizer = self._optimizer_for(trainer, self._network)
+        if optimizer is not None:
+            trainer.strategy.lr_scheduler_configs = restart_schedulers(
+                pl_module, optimizer, trainer.strategy.lr_scheduler_configs
+            )
+        self.restart_pending = False
+
+    @staticmethod
+    def _rewrap_ddp(trainer: Trainer) -> None:
+        """DDP registers its gradient hooks at construction: wrap the grown module again (the DDP
+        constructor also broadcasts rank 0's parameters, aligning the new blocks)."""
+        strategy = trainer.strategy
+        if trainer.world_size > 1 and hasattr(strategy, "configure_ddp"):
+            strategy.model = strategy.lightning_module
+            strategy.configure_ddp()
+
+    # -- telemetry -------------------------------------------------------------------------
+    @staticmethod
+    def history_path(trainer: Trainer) -> str:
+        """``growth_history.json`` in ``trainer.log_dir`` (else ``default_root_dir``); call on every rank."""
+        return telemetry.history_path(trainer)
+
+    def _emit(self, trainer: Trainer, report: SaturationReport | None, record: dict) -> None:
+        telemetry.log_check(trainer, report, record, self.log_sites)
+        path = telemetry.history_path(trainer)  # every rank: trainer.log_dir is a collective (broadcast)
+        if not trainer.is_global_zero:
+            return
+        telemetry.write_history(path, self.history)
+        if self.verbose:
+            telemetry.print_renderable(trainer, telemetry.check_table(report, record))

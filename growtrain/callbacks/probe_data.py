@@ -1,0 +1,185 @@
+"""Probe data for ``GrowUntilSaturated``: overlap checks, DDP sharding, and the probe's view of the model.
+
+The probe sample must be independent of training (the certificate's premise): ``probe_overlap``
+detects the common ways it is not. Under DDP every rank reads a disjoint shard (``shard_loader``)
+and the probe sums are all-reduced, so all ranks decide alike. ``ProbeView`` lets the probe run
+the LightningModule's whole forward while the sites are the growable trunk's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Sampler, Subset
+
+__all__ = ["probe_overlap", "ShardSampler", "shard_loader", "loaders_of", "datasets_of", "ProbeView",
+           "first_input", "eval_output", "check_split_indices"]
+
+
+def _base_and_indices(ds: Any) -> tuple[Any, set[int] | None]:
+    """The underlying storage of a dataset and the indices of it that ``ds`` exposes."""
+    idx: list[int] | None = None
+
+    def compose(outer: list[int] | None, inner: list[int]) -> list[int]:
+        return inner if outer is None else [inner[i] for i in outer]
+
+    for _ in range(32):
+        if isinstance(ds, Subset):
+            idx = compose(idx, [int(i) for i in ds.indices])
+            ds = ds.dataset
+            continue
+        x = getattr(ds, "x", None)
+        indices = getattr(ds, "indices", None)
+        if isinstance(x, torch.Tensor) and indices is not None:  # growtrain's in-memory TensorImages
+            return x, set(compose(idx, [int(i) for i in torch.as_tensor(indices).tolist()]))
+        break
+    return ds, None if idx is None else set(idx)
+
+
+def probe_overlap(probe_dataset: Any, train_dataset: Any) -> str | None:
+    """A description of the overlap between probe and training data, or ``None`` if none is seen.
+
+    Detects the same dataset object, and subsets (``torch.utils.data.Subset`` or growtrain's
+    in-memory sets) of one storage whose indices intersect. Different storages are assumed
+    independent (nothing more can be told without reading the data).
+    """
+    if probe_dataset is None or train_dataset is None:
+        return None
+    if probe_dataset is train_dataset:
+        return "the probe loader and the train loader use the same dataset object"
+    base_p, idx_p = _base_and_indices(probe_dataset)
+    base_t, idx_t = _base_and_indices(train_dataset)
+    if base_p is not base_t:
+        return None
+    if idx_p is None or idx_t is None:
+        return "the probe set and the train set are views of the same dataset, one of them all of it"
+    common = idx_p & idx_t
+    if common:
+        return f"{len(common)} sample index(es) are in both the probe and the train set (e.g. {sorted(common)[:5]})"
+    return None
+
+
+class ShardSampler(Sampler[int]):
+    """Rank ``r`` of ``w`` reads positions ``r, r+w, ...``: disjoint shards, no padding, so the
+    all-reduced sample count is the probe size exactly (DistributedSampler would repeat samples)."""
+
+    def __init__(self, length: int, rank: int, world_size: int):
+        self.length, self.rank, self.world_size = length, rank, world_size
+
+    def __iter__(self):
+        return iter(range(self.rank, self.length, self.world_size))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.length, self.world_size))
+
+
+def shard_loader(loader: Any, rank: int, world_size: int) -> Any:
+    if world_size <= 1:
+        return loader
+    if not isinstance(loader, DataLoader):
+        raise TypeError(
+            f"probe: with {world_size} processes the probe must be a torch DataLoader (it is sharded across "
+            f"ranks); got {type(loader).__name__}. Fix: return a DataLoader from probe_dataloader()."
+        )
+    if loader.batch_size is None:
+        raise TypeError("probe: a DataLoader with a custom batch_sampler cannot be sharded; pass batch_size instead")
+    return DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=ShardSampler(len(loader.dataset), rank, world_size),
+        collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+    )
+
+
+def loaders_of(loaders: Any) -> list[DataLoader]:
+    if isinstance(loaders, DataLoader):
+        return [loaders]
+    if isinstance(loaders, dict):
+        return [d for v in loaders.values() for d in loaders_of(v)]
+    if isinstance(loaders, (list, tuple)):
+        return [d for v in loaders for d in loaders_of(v)]
+    return []
+
+
+def datasets_of(loaders: Any) -> list[Any]:
+    return [loader.dataset for loader in loaders_of(loaders)]
+
+
+# -- the probe's view of the model ------------------------------------------------------------
+class ProbeView:
+    """The growable ``network``'s sites and stages, the LightningModule's forward.
+
+    ``measure_saturation`` calls ``network(x)``; when the growable network is only part of the
+    model (a trunk between an encoder and a head) the probe must still run the whole forward,
+    input to output, so that ``loss_fn(output, target)`` is the model's loss. Site hooks sit on
+    the network's stages, which the module's forward runs. ``eval()`` / ``train()`` save and
+    restore every submodule's own mode (a frozen BatchNorm stays in eval).
+    """
+
+    def __init__(self, module: nn.Module, network: nn.Module):
+        self.module, self.network = module, network
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    # Modes and parameters are the whole module's: ``measure_saturation`` saves every
+    # submodule's mode and ``requires_grad`` flag through these and restores them afterwards,
+    # so an encoder's BatchNorm or a head's Dropout outside the trunk is back in train mode
+    # after a check (they stayed in eval for the rest of the fit when these reached only the trunk).
+    def modules(self):
+        return self.module.modules()
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    def eval(self) -> "ProbeView":
+        self.module.eval()
+        return self
+
+    def train(self, mode: bool = True) -> "ProbeView":
+        self.module.train(mode)
+        return self
+
+    def __getattr__(self, name: str) -> Any:  # sites, stage, new_block, neighbour_tensor, ...
+        return getattr(self.__dict__["network"], name)
+
+
+def first_input(loader: Iterable) -> Any:
+    for batch in loader:
+        return batch[0] if isinstance(batch, (list, tuple)) else batch
+    raise ValueError("probe: the probe loader yielded no batches")
+
+
+
+@torch.no_grad()
+def eval_output(view: ProbeView, x: Any) -> torch.Tensor:
+    modes = [(m, m.training) for m in view.modules()]
+    view.eval()
+    try:
+        out = view(x)
+    finally:
+        for m, was in modes:
+            m.training = was
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
+def check_split_indices(dm: Any) -> None:
+    """A datamodule's ``probe_indices`` and ``train_indices`` must not share a sample."""
+    train = getattr(dm, "train_indices", None)
+    probe = getattr(dm, "probe_indices", None)
+    if train is None or probe is None:
+        return
+    common = set(torch.as_tensor(train).tolist()) & set(torch.as_tensor(probe).tolist())
+    if common:
+        raise ValueError(
+            f"probe: the datamodule's probe_indices and train_indices share {len(common)} sample(s) "
+            f"(e.g. {sorted(common)[:5]}). The probe must be held out from training. Fix: make the splits disjoint."
+        )

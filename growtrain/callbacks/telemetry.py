@@ -1,0 +1,164 @@
+"""What ``GrowUntilSaturated`` tells the user: one history record per check, logger metrics,
+``growth_history.json``, a rich table per check and a one-screen summary at the end of the fit.
+
+Nothing here decides anything: it formats what the hooks and ``growtrain.decision`` produced.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+from growtrain.saturation import SaturationReport
+
+__all__ = ["plain", "count_params", "check_record", "log_check", "history_path", "write_history",
+           "print_renderable", "check_table", "fit_summary"]  # fmt: skip
+
+
+def plain(value: Any) -> Any:
+    """Plain Python data for JSON and ``weights_only=True`` checkpoints."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return plain(value.item() if value.numel() == 1 else value.tolist())
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str, float)):
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def count_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def check_record(report: SaturationReport | None, action: str, reason: str, sites: list[str], network: nn.Module,
+                 depth: int | None, log_sites: bool) -> dict:  # fmt: skip
+    """The history fields that describe a check's outcome and the report behind it."""
+    out: dict[str, Any] = {
+        "action": action, "reason": reason, "site": sites[0] if sites else None, "sites": list(sites),
+        "saturated": action == "saturated", "params": count_params(network), "depth": depth,
+    }  # fmt: skip
+    keys = ("gamma", "threshold", "t", "delta", "alpha", "n", "error_bound", "rule", "margin", "reference", "tau")
+    if report is None:
+        out.update({k: None for k in keys})
+        out.update(lower=None, best_site=None, ag_max=None, ratio=None, verdicts={})
+        return out
+    out.update({k: getattr(report, k) for k in keys})
+    out.update(ag_max=report.ag_max, best_site=report.best_record.name, ratio=report.ratio)
+    lowers = [r.lower for r in report.sites if r.lower is not None]
+    out["lower"] = max(lowers) if lowers else None
+    out["verdicts"] = {k: v.to_dict() for k, v in report.verdicts.items()}
+    if report.extra:
+        out["extra"] = dict(report.extra)
+    if log_sites:
+        out["site_scores"] = [r.to_dict() for r in report.sites]
+    return out
+
+
+def log_check(trainer: Trainer, report: SaturationReport | None, record: dict, log_sites: bool) -> None:
+    """``growth/*`` metrics to every logger at the current step."""
+    metrics = {
+        "growth/depth": record.get("depth"),
+        "growth/params": record.get("params"),
+        "growth/saturated": float(record["saturated"]),
+        "growth/grew": float(len(record["sites"])),
+    }
+    if report is not None:
+        metrics.update({"growth/gamma": report.gamma, "growth/threshold": report.threshold,
+                        "growth/error_bound": report.error_bound, "growth/margin": report.margin,
+                        "growth/lower": record.get("lower"), "growth/reference": report.reference,
+                        "growth/ratio": report.ratio})  # fmt: skip
+        if log_sites:
+            for r in report.sites:
+                for key in ("grad_norm", "projected", "ag", "lower"):
+                    value = getattr(r, key)
+                    if value is not None:
+                        metrics[f"growth/{r.name}/{key}"] = value
+    metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def history_path(trainer: Trainer) -> str:
+    """``growth_history.json`` in ``trainer.log_dir`` (else ``default_root_dir``); call on every rank."""
+    root = trainer.log_dir or trainer.default_root_dir
+    return os.path.join(root, "growth_history.json")
+
+
+def write_history(path: str, history: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(history, f, indent=1, allow_nan=True)
+    os.replace(tmp, path)
+
+
+def print_renderable(trainer: Trainer, renderable: Any) -> None:
+    """Print above rich's live progress bar when there is one, else through ``rank_zero_info``."""
+    from rich.console import Console
+
+    bar = trainer.progress_bar_callback
+    console = getattr(bar, "_console", None)
+    if bar is not None and type(bar).__name__ == "RichProgressBar" and console is not None:
+        console.print(renderable)
+        return
+    buffer = io.StringIO()
+    Console(file=buffer, width=120, force_terminal=False, color_system=None).print(renderable)
+    rank_zero_info(buffer.getvalue().rstrip())
+
+
+def check_table(report: SaturationReport | None, record: dict) -> Any:
+    title = f"growth check {record['check']} (epoch {record['epoch']}, step {record['step']}): {record['action']}"
+    if report is None:
+        return f"{title}: {record['reason']}"
+    from growtrain.report import saturation_table
+
+    table = saturation_table(report, title=title)
+    table.caption = f"{table.caption}\n{record['reason']}"
+    return table
+
+
+def _fmt(value: Any, spec: str = ".4g") -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return format(value, spec)
+    return str(value)
+
+
+def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: int | None, finished: str | None,
+                stop_reason: str | None, metrics: dict[str, float], probe_seconds: float,
+                fit_seconds: float) -> Any:  # fmt: skip
+    """One screen at the end of a fit: depth start → final, each growth, why it stopped, final
+    losses, and the probe's share of the run time."""
+    from rich.table import Table
+
+    table = Table(title=f"GrowUntilSaturated: depth {_fmt(start_depth)} → {_fmt(final_depth)}", title_justify="left")
+    for col in ("check", "epoch", "depth", "action", "site", "lower bound", "margin", "ratio (×R)"):
+        table.add_column(col, justify="right" if col not in ("action", "site") else "left")
+    for h in history:
+        table.add_row(str(h.get("check")), str(h.get("epoch")), _fmt(h.get("depth_before")), str(h.get("action")),
+                      _fmt(h.get("site")), _fmt(h.get("lower")), _fmt(h.get("margin")), _fmt(h.get("ratio"), ".3g"))  # fmt: skip
+    why = {None: "growth had not ended when the fit stopped (max_epochs or another callback)",
+           "saturated": "certified saturation", "budget": "a growth budget"}.get(finished, str(finished))  # fmt: skip
+    lines = [f"stopped growing: {why}" + (f" — {stop_reason}" if stop_reason else "")]
+    losses = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
+    if losses:
+        lines.append(f"final: {losses}")
+    share = probe_seconds / fit_seconds if fit_seconds > 0 else float("nan")
+    lines.append(f"probe: {probe_seconds:.1f} s of {fit_seconds:.1f} s ({100 * share:.1f} % of the fit)")
+    table.caption = "\n".join(lines)
+    table.caption_justify = "left"
+    return table
