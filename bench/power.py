@@ -15,7 +15,7 @@ Rules, all at overall level ``α`` (δ = 0), with a union bound over sites where
   crossfit-normal    cross-fit lower bound > 0 at some site, CLT quantile at ``α/K``;
   crossfit-cantelli  the same with Cantelli's distribution-free factor;
   chen-qin           debiased ``‖ĝ‖² − σ̂²/n`` with a Chen–Qin variance, one-sided z-test at
-                     ``α/K`` per site (growtrain.crossfit.chen_qin_test; not wired into
+                     ``α/K`` per site (bench/chen_qin.py's chen_qin_test; not wired into
                      measure_saturation).
 
 Two simulation routes, cross-checked against each other on every setting where both run:
@@ -45,14 +45,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from chen_qin import chen_qin_test, chen_qin_z, trace_sq_estimate  # noqa: E402  (bench/chen_qin.py)
 from growtrain.crossfit import (  # noqa: E402
     alpha_schedule,
     cantelli_factor,
-    chen_qin_test,
-    chen_qin_z,
     crossfit_from_samples,
     normal_quantile,
-    trace_sq_estimate,
 )
 
 RULES = ("paper", "crossfit-normal", "crossfit-cantelli", "chen-qin")

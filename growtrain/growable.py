@@ -14,10 +14,11 @@ This module imports no Lightning.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 __all__ = [
     "Site",
@@ -27,6 +28,13 @@ __all__ = [
     "grown_blocks",
     "find_growable",
     "terminal_parameters",
+    "GrowableNetwork",
+    "GrowableBlock",
+    "FastProbeBlock",
+    "check_growable",
+    "check_growable_block",
+    "resolve_network",
+    "probe_loss_for",
 ]
 
 
@@ -43,6 +51,105 @@ class Site:
 
     def __str__(self) -> str:  # pragma: no cover - cosmetic
         return self.name
+
+
+# -- the growth contract ---------------------------------------------------------------------
+@runtime_checkable
+class GrowableBlock(Protocol):
+    """A block that can be inserted function-preservingly: its terminal map ``V`` can be zeroed.
+
+    ``terminal_parameters()``: the parameters forming ``V`` (the probe's active coordinates),
+    in a fixed order. ``zero_init_last()``: set ``V`` to zero, so ``block(z) == z``.
+    """
+
+    def terminal_parameters(self) -> list[nn.Parameter]: ...
+
+    def zero_init_last(self) -> None: ...
+
+
+@runtime_checkable
+class FastProbeBlock(GrowableBlock, Protocol):
+    """A block with the probe's closed form (optional; without it the probe uses autograd).
+
+    ``probe_features(z)``: the features ``φ(z)`` that ``V`` multiplies (``DenseFeatures`` or
+    ``ChannelAffineFeatures``). Optionally also ``split_terminal(matrix)``: a ``V``-shaped
+    matrix split into the tensors of ``terminal_parameters()``, in that order (without it, the
+    default split: weight columns, then a bias column when there is one).
+    """
+
+    def probe_features(self, z: torch.Tensor) -> Any: ...
+
+
+@runtime_checkable
+class GrowableNetwork(Protocol):
+    """What growth needs from a network (``GrowableMixin`` implements all of it).
+
+    ``growth_log``: plain-data record of every insertion, in order (checkpoints replay it).
+    ``sites()``: candidate insertion sites in a stable order; ``site(s)``: a Site from a Site or
+    its name; ``stage(name)``: the ``nn.ModuleList`` of a stage; ``depth()``: number of blocks.
+    ``new_block(site, seed)``: a zero-output candidate on the neighbours' device and dtype;
+    ``neighbour_tensor(site)``: the parameter it takes them from. ``grow(site, block)``: insert;
+    ``undo_growth(blocks, log_len)``: take insertions back out.
+    """
+
+    growth_log: list[dict]
+
+    def sites(self) -> list[Site]: ...
+
+    def site(self, site: Site | str) -> Site: ...
+
+    def stage(self, name: str) -> nn.ModuleList: ...
+
+    def depth(self) -> int: ...
+
+    def neighbour_tensor(self, site: Site) -> torch.Tensor: ...
+
+    def new_block(self, site: Site | str, seed: int | None = None) -> nn.Module: ...
+
+    def grow(self, site: Site | str, block: nn.Module | None = None) -> nn.Module: ...
+
+    def undo_growth(self, blocks: Sequence[nn.Module], log_len: int) -> None: ...
+
+
+_NETWORK_METHODS = ("sites", "site", "stage", "depth", "neighbour_tensor", "new_block", "grow", "undo_growth")
+
+
+def check_growable(network: Any, name: str = "network") -> None:
+    """Raise unless ``network`` has the whole :class:`GrowableNetwork` contract and a site.
+
+    ``TypeError`` lists every missing member (``name`` is the argument the caller was given);
+    ``ValueError`` when the network has no candidate site, so nothing could ever be grown.
+    """
+    missing = [m for m in _NETWORK_METHODS if not callable(getattr(network, m, None))]
+    if not isinstance(getattr(network, "growth_log", None), list):
+        missing.append("growth_log (a list)")
+    if missing:
+        raise TypeError(
+            f"{name}: {type(network).__name__} is not a growable network: it lacks {', '.join(missing)}. "
+            "Fix: build it with growtrain.models, wrap your residual blocks in growtrain.GrowableStack, or "
+            "subclass growtrain.growable.GrowableMixin (it provides all of these)."
+        )
+    if not network.sites():
+        raise ValueError(
+            f"{name}: {type(network).__name__} has no candidate sites, so nothing can be grown. Fix: give each "
+            "stage room for a same-shape block (see the model's first_site())."
+        )
+
+
+def check_growable_block(block: Any, name: str = "block") -> None:
+    """Raise ``TypeError`` unless ``block`` (a block or its class) has the :class:`GrowableBlock`
+    methods, and ``probe_features`` whenever it has ``split_terminal`` (which only the fast
+    form of :class:`FastProbeBlock` uses: alone it would be silently ignored)."""
+    missing = [m for m in ("terminal_parameters", "zero_init_last") if not callable(getattr(block, m, None))]
+    if callable(getattr(block, "split_terminal", None)) and not callable(getattr(block, "probe_features", None)):
+        missing.append("probe_features (it has split_terminal, which is used only with probe_features)")
+    if missing:
+        what = block.__name__ if isinstance(block, type) else type(block).__name__
+        raise TypeError(
+            f"{name}: {what} lacks {', '.join(missing)}. A growable block needs terminal_parameters() and "
+            "zero_init_last(); the probe's optional fast form is probe_features() (and optionally "
+            "split_terminal()); see growtrain.growable.GrowableBlock and FastProbeBlock."
+        )
 
 
 def terminal_parameters(block: nn.Module) -> list[nn.Parameter]:
@@ -177,6 +284,39 @@ class GrowableMixin:
         self._grown_blocks.append(block)
         return block
 
+    def undo_growth(self, blocks: Sequence[nn.Module], log_len: int) -> None:
+        """Take back insertions: remove ``blocks`` (returned by ``grow``) and trim ``growth_log``
+        to its first ``log_len`` records, leaving the network as it was before them.
+
+        ``blocks`` must be the insertions recorded after ``log_len``, one per record. Every check
+        runs before anything changes.
+        """
+        blocks = list(blocks)
+        if isinstance(log_len, bool) or not isinstance(log_len, int) or not 0 <= log_len <= len(self.growth_log):
+            raise ValueError(
+                f"log_len: expected the growth_log length before the insertions (0..{len(self.growth_log)}), got {log_len!r}"
+            )
+        if len(blocks) != len(self.growth_log) - log_len:
+            raise ValueError(
+                f"blocks: {len(self.growth_log) - log_len} insertions were recorded after log_len={log_len}, but "
+                f"{len(blocks)} blocks were given; pass exactly the blocks grow() returned for them"
+            )
+        if len({id(b) for b in blocks}) != len(blocks):
+            raise ValueError("blocks: a block is listed twice; pass each inserted block once")
+        stages = [self.stage(name) for name in self.growable_stages]
+        places = []  # (stage list, block) for each block, found before anything is removed
+        for i, block in enumerate(blocks):
+            if not any(block is g for g in self._grown_blocks):
+                raise ValueError(f"blocks[{i}]: {type(block).__name__} was not inserted by grow() into this network")
+            holder = next((st for st in stages if any(m is block for m in st)), None)
+            if holder is None:
+                raise ValueError(f"blocks[{i}]: {type(block).__name__} is no longer in any stage of this network")
+            places.append((holder, block))
+        for holder, block in reversed(places):  # newest first: earlier positions stay valid
+            del holder[next(j for j, m in enumerate(holder) if m is block)]
+            del self._grown_blocks[max(j for j, g in enumerate(self._grown_blocks) if g is block)]
+        del self.growth_log[log_len:]
+
 
 def grown_blocks(network: nn.Module) -> list[nn.Module]:
     """The blocks inserted by ``grow``, in growth order (empty for a network never grown)."""
@@ -210,6 +350,66 @@ def find_growable(module: nn.Module) -> nn.Module | None:
         if callable(getattr(m, "sites", None)) and callable(getattr(m, "grow", None)):
             return m
     return None
+
+
+# -- the network and the probe loss of a model ---------------------------------------------------
+def resolve_network(module: nn.Module, spec: nn.Module | str | None = None, *, required: bool = True) -> nn.Module | None:
+    """The growable network inside ``module`` (a LightningModule or any ``nn.Module``).
+
+    ``spec`` (the user's ``network`` argument): ``None`` finds the first growable submodule
+    (``module`` itself included); a ``str`` is a dotted attribute path (``"network"``,
+    ``"model.trunk"``); an ``nn.Module`` must be part of ``module`` (else the optimizer would
+    not train it). The result is checked against the full :class:`GrowableNetwork` contract.
+    ``required=False`` returns ``None`` instead of raising when nothing is found (a module that
+    builds its layers later, in ``configure_model``); a network that is found but not growable
+    raises either way.
+    """
+    if isinstance(spec, nn.Module):
+        if not any(m is spec for m in module.modules()):
+            raise ValueError(
+                "network: the given module is not part of the model, so the optimizer would not train it. "
+                "Fix: pass the attribute path instead, e.g. network='network'."
+            )
+        network = spec
+    elif isinstance(spec, str):
+        try:
+            network = module.get_submodule(spec)
+        except AttributeError:
+            if not required:
+                return None
+            raise ValueError(
+                f"network: {type(module).__name__} has no submodule {spec!r}. Fix: pass the attribute path of your "
+                "growable network (e.g. network='network') or leave network=None to find it."
+            ) from None
+    elif spec is None:
+        network = find_growable(module)
+        if network is None:
+            if not required:
+                return None
+            raise ValueError(
+                f"network: {type(module).__name__} has no growable submodule (one with sites() and grow()). "
+                "Fix: build your network with growtrain.models.cifar_resnet or wrap your residual blocks in "
+                "growtrain.GrowableStack, or pass network='<attribute path>'."
+            )
+    else:
+        raise TypeError(
+            f"network: expected None (find it), an attribute path (str) or a submodule (nn.Module), "
+            f"got {type(spec).__name__}"
+        )
+    check_growable(network, "network")
+    return network
+
+
+def probe_loss_for(module: nn.Module, loss_fn: Callable | None = None) -> Callable:
+    """The loss the probe scores candidates with: ``loss_fn`` if given, else the model's
+    ``probe_loss`` (the batch-mean loss it trains on, e.g. ``LanguageModel``'s token-mean
+    cross-entropy), else ``F.cross_entropy``."""
+    if loss_fn is not None:
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn: expected a callable (output, target) -> mean loss, got {type(loss_fn).__name__}")
+        return loss_fn
+    probe_loss = getattr(module, "probe_loss", None)
+    return probe_loss if callable(probe_loss) else F.cross_entropy
 
 
 class GrowableStack(GrowableMixin, nn.Module):

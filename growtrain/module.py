@@ -20,7 +20,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from growtrain.growable import find_growable, replay_growth
+from growtrain.growable import replay_growth, resolve_network
 from growtrain.models import cifar_resnet
 from growtrain.optim import param_groups, paper_sgd
 
@@ -63,13 +63,13 @@ class GrowableModuleMixin:
 
     @property
     def growable_network(self) -> nn.Module:
-        if self.growable_attr is not None:
-            network = getattr(self, self.growable_attr, None)
-        else:
-            network = find_growable(self)
-        if network is None or not hasattr(network, "growth_log"):
-            where = f"self.{self.growable_attr}" if self.growable_attr else "any submodule"
-            # TypeError, not AttributeError: nn.Module.__getattr__ would swallow the latter.
+        # TypeError, not AttributeError: nn.Module.__getattr__ would swallow the latter.
+        where = f"self.{self.growable_attr}" if self.growable_attr else "any submodule"
+        try:
+            network = resolve_network(self, self.growable_attr, required=False)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"growable_attr: {where} of {type(self).__name__}: {err}") from err
+        if network is None:
             raise TypeError(
                 f"growable_attr: {where} of {type(self).__name__} is not a growable network (needs sites(), "
                 "grow() and growth_log). Set `growable_attr = '<attribute name>'` on your module class."

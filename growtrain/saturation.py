@@ -30,6 +30,9 @@ from torch import nn
 
 from growtrain import decision as dec
 from growtrain import probe_math as pm
+from growtrain.batches import batch_size as _batch_size
+from growtrain.batches import slice_batch as _slice
+from growtrain.batches import to_device as _to_device
 from growtrain.families.base import ChannelAffineFeatures, DenseFeatures
 from growtrain.growable import Site, terminal_parameters
 
@@ -232,26 +235,6 @@ def _site_hooks(network: nn.Module, sites: list[Site], on_activation: Callable[[
     finally:
         for h in handles:
             h.remove()
-
-
-def _to_device(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, Mapping):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
-
-
-def _batch_size(obj) -> int:
-    if isinstance(obj, torch.Tensor):
-        return int(obj.shape[0])
-    if isinstance(obj, (list, tuple)):
-        return _batch_size(obj[0])
-    if isinstance(obj, Mapping):
-        return _batch_size(next(iter(obj.values())))
-    raise TypeError(f"probe_loader: cannot tell the batch size of a {type(obj).__name__}")
 
 
 def _split_batch(batch):
@@ -840,17 +823,6 @@ class _ReferenceAccumulator:
                 "Fix: use a probe of at least 8 samples."
             )
         return dec.debiased_reference(self.sum_grad, [float(q) for q in self.sum_sq], self.n, self.sum_n_sq)
-
-
-def _slice(obj, start: int, stop: int):
-    """Samples ``start:stop`` of a batch (tensors, tuples/lists, mappings of them)."""
-    if isinstance(obj, torch.Tensor):
-        return obj[start:stop]
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_slice(o, start, stop) for o in obj)
-    if isinstance(obj, Mapping):
-        return {k: _slice(v, start, stop) for k, v in obj.items()}
-    return obj
 
 
 def _pieces(batches: Iterable, n_a: int, min_pieces: int):

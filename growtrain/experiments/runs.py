@@ -24,9 +24,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch import nn
-from torch.nn import functional as F
 
-from growtrain.growable import find_growable, replay_growth
+from growtrain.growable import probe_loss_for, replay_growth, resolve_network
 
 __all__ = [
     "DEPTH_KWARGS",
@@ -55,13 +54,11 @@ _CLI_INSTANTIATOR = "lightning.pytorch.cli.instantiate_module"
 
 # -- the network inside a module ---------------------------------------------------------------
 def growable_of(module: nn.Module) -> nn.Module:
-    network = find_growable(module)
-    if network is None:
-        raise TypeError(
-            f"model: {type(module).__name__} contains no growable network (a submodule with sites() and "
-            "grow()); build it from growtrain.models or wrap your blocks in growtrain.GrowableStack."
-        )
-    return network
+    """The growable network inside ``module`` (``growtrain.growable.resolve_network``)."""
+    try:
+        return resolve_network(module)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"model: {err}") from err
 
 
 def stage_sizes(network: nn.Module) -> dict[str, int]:
@@ -81,10 +78,8 @@ def architecture_digest(module: nn.Module) -> str:
     return hashlib.sha1(repr(architecture(module)).encode()).hexdigest()[:16]
 
 
-def probe_loss_of(module: LightningModule) -> Callable:
-    """``module.probe_loss`` (mean loss of a batch), else cross-entropy."""
-    loss = getattr(module, "probe_loss", None)
-    return loss if callable(loss) else F.cross_entropy
+# The module's probe loss (``module.probe_loss``, else cross-entropy): the library's one rule.
+probe_loss_of = probe_loss_for
 
 
 # -- rebuilding the configured module ----------------------------------------------------------

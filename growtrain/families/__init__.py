@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
 from torch import nn
 
 from growtrain.families.base import ChannelAffineFeatures, DenseFeatures
 from growtrain.families.basic import BasicBlock
 from growtrain.families.generic import ResidualAdapter
 from growtrain.families.preact import PreActBlock
+from growtrain.growable import check_growable_block
 
 # name → block class taking (in_channels, out_channels, stride)
 _CONV_FAMILIES: dict[str, Callable[..., nn.Module]] = {"basic": BasicBlock, "preact": PreActBlock}
@@ -25,10 +27,34 @@ def conv_family(name: str) -> Callable[..., nn.Module]:
 
 
 def register_conv_family(name: str, block_cls: Callable[..., nn.Module]) -> None:
-    """Add a block class ``(in_channels, out_channels, stride) -> block`` under ``name``."""
-    for attr in ("zero_init_last", "terminal_parameters"):
-        if not hasattr(block_cls, attr):
-            raise TypeError(f"block_cls: a growable block needs a `{attr}` method; {block_cls!r} has none")
+    """Add a block class ``(in_channels, out_channels, stride) -> block`` under ``name``.
+
+    Checked before it is registered: the class has the whole growable-block contract
+    (:class:`growtrain.growable.GrowableBlock`; ``split_terminal`` only with ``probe_features``,
+    see :func:`growtrain.growable.check_growable_block`), and a small instance built with
+    ``block_cls(2, 2, 1)`` is the identity on nonnegative input after ``zero_init_last()``.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name: expected a non-empty family name (str), got {name!r}")
+    if not callable(block_cls):
+        raise TypeError(f"block_cls: expected a block class (in_channels, out_channels, stride) -> block, got {block_cls!r}")
+    check_growable_block(block_cls, "block_cls")
+    try:
+        block = block_cls(2, 2, 1)
+    except Exception as err:
+        raise TypeError(f"block_cls: {block_cls!r}(in_channels=2, out_channels=2, stride=1) failed: {err}") from err
+    block.zero_init_last()
+    block.eval()  # BatchNorm on running statistics: the identity must not depend on the batch
+    # nonnegative: in a post-activation network a block's input comes out of a ReLU, and the
+    # block's own final ReLU is the identity only there
+    z = torch.rand(2, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        same = torch.equal(block(z), z)
+    if not same or any(bool(torch.any(p != 0)) for p in block.terminal_parameters()):
+        raise ValueError(
+            f"block_cls: after zero_init_last() a {block_cls.__name__} must output its (nonnegative) input "
+            "exactly: zero terminal_parameters(), identity skip at stride 1 and equal channels; it does not."
+        )
     _CONV_FAMILIES[name] = block_cls
 
 

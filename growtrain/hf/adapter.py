@@ -344,7 +344,8 @@ class HFGrowable(GrowableMixin, nn.Module):
             layer.register_forward_pre_hook(self._recorder(i), with_kwargs=True) for i, layer in enumerate(layers)
         ]
         try:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
+            kwargs.setdefault("use_cache", False)  # training and the probe need no KV cache
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         finally:
             for h in handles:
                 h.remove()
