@@ -281,3 +281,24 @@ def test_hf_text_datamodule_tokenizes_with_a_local_tokenizer_directory(tmp_path)
     assert dm.state_dict()["split"]["tokenizer"] == "hf:tok:10"
     with pytest.raises(FileNotFoundError, match="tokenizer: expected 'byte', 'char' or a local directory"):
         HFTextDataModule(path=str(corpus), tokenizer="EleutherAI/pythia-160m")
+
+
+def test_an_unregistered_class_is_refused_until_register_decoder_names_its_layout():
+    from growtrain.hf import DECODERS, DecoderSpec, register_decoder
+
+    class MyForCausalLM(transformers.LlamaForCausalLM):
+        pass
+
+    model = MyForCausalLM(tiny_model("llama").config).eval()
+    with pytest.raises(TypeError, match="MyForCausalLM is not a supported.*layers.*attn_out.*mlp_out.*layer_idx"):
+        growable(model)
+    try:
+        register_decoder("MyForCausalLM", DecoderSpec("model.layers", "self_attn.o_proj", "mlp.down_proj", ("self_attn.layer_idx",)))
+        net = growable(model)
+        x = _tokens(4)
+        with torch.no_grad():
+            before = net(x)
+            net.grow("layers.2")
+            assert torch.equal(net(x), before) and net.config.num_hidden_layers == 3
+    finally:
+        DECODERS.pop("MyForCausalLM", None)
