@@ -5,7 +5,8 @@ The graph is read from the source with ``ast``: every ``import``/``from … impo
 growtrain module, at module level or deferred inside a function (a deferred import hides a cycle
 from the interpreter but not from a reader). Imports inside a module-level ``__getattr__``
 (PEP 562) are not edges: that is how an old, deprecated path re-exports a name from its new home
-on first use. A *shim* (a module that only re-exports, e.g. ``growtrain.callback`` after the
+on first use. Imports under ``if TYPE_CHECKING:`` never run: they must point down the layers
+like any other, but do not make a cycle (a type annotation does not fix an import order). A *shim* (a module that only re-exports, e.g. ``growtrain.callback`` after the
 callback moved into ``growtrain.callbacks``) may import from any layer, but not into a cycle.
 """
 
@@ -66,10 +67,25 @@ def _lazy_getattr_nodes(tree: ast.Module) -> set[int]:
     }
 
 
-def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The growtrain modules that module ``name`` (source at ``path``) imports, anywhere in it."""
+def _type_checking_nodes(tree: ast.Module) -> set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``) anywhere."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            test = node.test
+            name = test.id if isinstance(test, ast.Name) else test.attr if isinstance(test, ast.Attribute) else None
+            if name == "TYPE_CHECKING":
+                out |= {id(inner) for stmt in node.body for inner in ast.walk(stmt)}
+    return out
+
+
+def imported_modules(name: str, path: Path, modules: dict[str, Path], *, include_type_only: bool = True) -> set[str]:
+    """The growtrain modules that module ``name`` (source at ``path``) imports, anywhere in it
+    (``include_type_only=False``: leaving out the imports under ``if TYPE_CHECKING:``)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     lazy = _lazy_getattr_nodes(tree)
+    if not include_type_only:
+        lazy |= _type_checking_nodes(tree)
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     found = set()
     for node in ast.walk(tree):
@@ -111,9 +127,9 @@ def is_shim(path: Path) -> bool:
     return True
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(*, include_type_only: bool = True) -> dict[str, set[str]]:
     modules = package_modules()
-    return {name: imported_modules(name, path, modules) for name, path in modules.items()}
+    return {name: imported_modules(name, path, modules, include_type_only=include_type_only) for name, path in modules.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -140,7 +156,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 # -- the checks on the graph ----------------------------------------------------------------------
 def test_import_graph_has_no_cycle():
-    cycle = find_cycle(import_graph())
+    cycle = find_cycle(import_graph(include_type_only=False))
     assert cycle is None, "import cycle among growtrain modules: " + " → ".join(cycle)
 
 
@@ -168,13 +184,17 @@ def test_graph_reader_sees_deferred_and_relative_imports_but_not_lazy_reexports(
 
         def __getattr__(name):
             from growtrain.trainer import GrowTrainer
+
+        if TYPE_CHECKING:
+            from growtrain.saturation import SaturationReport
         """
     )
     path = tmp_path / "fake.py"
     path.write_text(source)
     modules = package_modules()
     found = imported_modules("growtrain.fake", path, modules)
-    assert found == {"growtrain.probe_math", "growtrain.report", "growtrain.crossfit"}
+    assert found == {"growtrain.probe_math", "growtrain.report", "growtrain.crossfit", "growtrain.saturation"}
+    assert imported_modules("growtrain.fake", path, modules, include_type_only=False) == found - {"growtrain.saturation"}
 
 
 def test_cycle_finder_and_layers_on_known_graphs():
