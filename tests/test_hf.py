@@ -71,10 +71,12 @@ def test_insertion_preserves_forward_masked_forward_cached_generation_and_bf16(a
     half = growable(tiny_model(arch).to(torch.bfloat16))
     with torch.no_grad():
         before = half(x, attention_mask=mask)
+        tokens = half.generate(x[:2], attention_mask=mask[:2], max_new_tokens=8, do_sample=False)
         half.grow("layers.1")
         assert half.stage("layers")[1].mlp.training is False
         assert next(half.stage("layers")[1].parameters()).dtype == torch.bfloat16
         assert torch.equal(half(x, attention_mask=mask), before)
+        assert torch.equal(half.generate(x[:2], attention_mask=mask[:2], max_new_tokens=8, do_sample=False), tokens)
 
 
 # -- the probe ------------------------------------------------------------------------------------
