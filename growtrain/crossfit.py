@@ -3,7 +3,7 @@
 Why. The paper's rule (Proposition 1) grows only when ``Γ̂_n > δ + t`` with
 ``t = sqrt(Σ_l σ̂²_l / (n α))``. ``σ̂²_l`` is the *total* variance of a p-dimensional
 per-sample gradient, so ``t`` is the noise norm of ``ĝ`` inflated by ``sqrt(K/α)``: the rule
-needs ``‖g‖ ≳ sqrt(K/α) · σ/√n`` and practically never grows (DESIGN.md §2,
+needs ``‖g‖ ≳ sqrt(K/α) · σ/√n`` and practically never grows (docs/design.md §3,
 ``docs/power.md``). A test about the *length of a mean vector* only needs the noise along one
 direction.
 

@@ -3,7 +3,7 @@
 Plain functions, no Lightning hooks: :class:`growtrain.callbacks.GrowUntilSaturated` decides
 *when* to call them, these decide *what* changes.
 
-The rules (DESIGN.md §3, the paper's zero-state optimizer rule):
+The rules (docs/design.md §4 "The growth step", the paper's zero-state optimizer rule):
 
 * New parameters join the *existing* optimizer with ``add_param_group``, one named group per
   growth event (``growth{k}``, ``growth{k}/no_decay``; the layout ``growtrain.optim.param_groups``

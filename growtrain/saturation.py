@@ -6,7 +6,7 @@ network's function is unchanged and the joint gradient is the concatenation of t
 gradients (the paper's Corollary 2), so one forward+backward per probe batch scores all sites.
 A ghost never runs ``V``: the probe keeps its features ``φ(z)`` from the forward pass and the
 activation gradient ``q`` at the site from the backward pass, and forms ``ξ = J(z)ᵀ q``
-directly (DESIGN.md §2).
+directly (docs/design.md §2, "The probe pass").
 
 Per site it reports ``grad_norm = ‖ĝ‖₂``, ``variance = σ̂²``, ``ag`` (Remark 1), ``ag_batch``
 (Eq. 2) and ``projected = V_S = sqrt(ĝᵀ Ĝ† ĝ)`` (Lemma 4); the decision is Proposition 1's

@@ -2,7 +2,7 @@
 
 A standard block is ``h(z) = V φ(z)``: the probe keeps ``φ(z)`` from the forward pass and the
 activation gradient ``q`` at the block's output from the backward pass, and forms the
-cross-gradient ``ξ = J(z)ᵀ q`` directly, without ever running ``V`` (DESIGN.md §2).
+cross-gradient ``ξ = J(z)ᵀ q`` directly, without ever running ``V`` (docs/design.md §2).
 
 Two shapes of terminal map cover the built-in families:
 
