@@ -57,7 +57,7 @@ trainer:
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {save_last: true, save_top_k: 0}
     - class_path: growtrain.callbacks.GrowUntilSaturated
-      init_args: {rule: paper, t: 1.0e-9, delta: 0.0, max_growths: 1, verbose: false}
+      init_args: {monitor: null, rule: paper, t: 1.0e-9, delta: 0.0, max_growths: 1, verbose: false}
 """
 
 
