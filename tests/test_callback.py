@@ -83,7 +83,8 @@ def test_grows_then_stops_at_saturation(tmp_path):
     assert module.network.depth() == depth0 + len(grown)
     assert [r["site"] for r in module.network.growth_log] == [h["site"] for h in grown]
     for h in grown:  # every insertion left the output unchanged, measured
-        assert 0.0 <= h["max_abs_change"] <= h["tolerance"] <= 1e-5 * 100
+        assert h["max_abs_change"] == 0.0  # fp32, eval: a zero-output insertion is bit-exact
+        assert 0.0 < h["tolerance"] <= 1e-5 * 100
         assert h["params"] > h["params_before"] and h["depth"] == h["depth_before"] + 1
     assert last["params"] == sum(p.numel() for p in module.network.parameters()) > params0
     for h in grow.history:
@@ -132,7 +133,7 @@ def test_top_k_inserts_distinct_sites_with_valid_indices(tmp_path):
     trainer.fit(module, tiny_dm(synthetic_size=200, probe_size=40))
     first = grow.history[0]
     assert first["action"] == "grow" and len(first["sites"]) == 3 == len(set(first["sites"]))
-    assert first["max_abs_change"] <= first["tolerance"]
+    assert first["max_abs_change"] == 0.0  # fp32, eval: bit-exact
     # the report's ranking: the best site first, then by ‖ĝ‖
     scores = {s["site"]: s["grad_norm"] for s in first["site_scores"]}
     assert first["sites"][0] == first["best_site"]
@@ -249,7 +250,7 @@ def test_users_own_module_with_probe_loader_and_loss(tmp_path):
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
     trainer.fit(module, train)
     assert grow.history[0]["action"] == "grow" and len(module.trunk.blocks) == 2
-    assert grow.history[0]["max_abs_change"] <= grow.history[0]["tolerance"]
+    assert grow.history[0]["max_abs_change"] == 0.0  # fp32, eval: bit-exact
     (new,) = grown_blocks(module.trunk)
     groups = trainer.optimizers[0].param_groups
     assert [g["name"] for g in groups] == ["other", "base", "growth0"]
