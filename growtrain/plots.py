@@ -13,7 +13,7 @@ from typing import Sequence
 
 from growtrain._deprecation import moved_names
 
-__all__ = ["plot_gamma_trace", "plot_sweep", "grew"]
+__all__ = ["plot_gamma_trace", "plot_sweep", "plot_stopping", "grew"]
 
 
 def grew(record: dict) -> bool:
@@ -95,6 +95,43 @@ def plot_sweep(rows: Sequence[dict], path: str | Path | None = None, *, depth_la
             ax.axvline(stop_depth, color="C3", ls=":", label=f"growth stopped ({depth_label}={stop_depth})")
         ax.legend(fontsize=8)
     fig.suptitle("Loss and activation-gradient signal across depth")
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def plot_stopping(summary: dict, growth_rows: Sequence[dict], path: str | Path | None = None):
+    """Left: the scratch sweep's test loss against depth (mean ± sd), ``d*`` and each growth
+    seed's found depth marked (AutoGrow's Figure 5 style). Right: the relative rule's ratio
+    (best certified lower bound / R) at each check of the first growth run, against depth, with τ."""
+    fig = _figure((10.0, 4.0))
+    left, right = fig.subplots(1, 2)
+    label = summary.get("depth_kwarg", "depth")
+    by_depth = summary.get("by_depth", {})
+    if by_depth:
+        xs = sorted(int(d) for d in by_depth)
+        mean = [by_depth[d]["test_loss"][0] if d in by_depth else by_depth[str(d)]["test_loss"][0] for d in xs]
+        sd = [(by_depth[d] if d in by_depth else by_depth[str(d)])["test_loss"][1] or 0.0 for d in xs]
+        left.errorbar(xs, mean, yerr=sd, fmt="o-", capsize=3, label="scratch (mean ± sd)")
+        if summary.get("d_star") is not None:
+            left.axvline(summary["d_star"], color="C2", ls="--", label=f"d* = {summary['d_star']}")
+    for i, g in enumerate(growth_rows):
+        left.plot([g["depth"]], [g["test_loss"]], "v", color="C3", ms=9, label="growth (found depth)" if i == 0 else None)
+    left.set_xlabel(f"depth ({label})")
+    left.set_ylabel("test loss")
+    left.legend(fontsize=8)
+    if growth_rows:
+        hist = [h for h in growth_rows[0].get("history", []) if h.get("ratio") is not None]
+        if hist:
+            right.plot([h["depth_before"] for h in hist], [h["ratio"] for h in hist], "o-", label="ratio (lower / R)")
+            tau = next((h.get("margin") / h["reference"] for h in hist if h.get("reference")), None)
+            if tau is not None:
+                right.axhline(tau, color="C3", ls=":", label=f"τ = {tau:.2g}")
+            right.set_xlabel("blocks at the check")
+            right.set_ylabel("best lower bound / R")
+            right.legend(fontsize=8)
+    fig.suptitle("Growth until saturated vs a from-scratch depth sweep")
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)

@@ -24,13 +24,14 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import SaveConfigCallback
 
 from growtrain._deprecation import moved_names
-from growtrain.experiments import run_compare, run_match, run_measure, run_sweep
+from growtrain.decision import DEFAULT_TAU
+from growtrain.experiments import run_compare, run_match, run_measure, run_stopping, run_sweep
 from growtrain.experiments._training import BaseGrowTrainer
 
 __all__ = ["EXPERIMENTS", "GrowTrainer"]
 
 # GrowTrainer methods that the CLI exposes as subcommands (``growtrain compare --config …``).
-EXPERIMENTS = ("compare", "measure", "sweep", "match")
+EXPERIMENTS = ("compare", "measure", "sweep", "match", "stopping")
 
 # Moved down a layer so that the experiments need not import this module (no import cycle).
 __getattr__ = moved_names(
@@ -139,7 +140,8 @@ class GrowTrainer(BaseGrowTrainer):
         delta: float = 0.0,
         alpha: float = 0.05,
         t: Optional[float] = None,
-        rule: Literal["paper", "crossfit"] = "paper",
+        rule: Optional[Literal["paper", "crossfit", "relative"]] = None,
+        tau: float = DEFAULT_TAU,
         projected: bool = True,
         seed: int = 0,
         output_dir: Optional[str] = None,
@@ -151,15 +153,21 @@ class GrowTrainer(BaseGrowTrainer):
             delta: practical-saturation margin δ ≥ 0 (units of the loss gradient norm).
             alpha: target error probability; sets t = sqrt(Σσ̂²/(nα)) unless ``t`` is given.
             t: the separation t > 0 of the paper's Proposition 1 (overrides ``alpha``).
-            rule: ``paper`` (Γ̂ ≤ δ+t) or ``crossfit`` (certified directional lower bound).
-            projected: also compute V_S (Gram matrices) and the realisability ratio V_S/AG.
+            rule: ``paper`` (Γ̂ ≤ δ+t), ``crossfit`` (certified directional lower bound > δ) or
+                ``relative`` (that bound > max(δ, τ·R)). ``None``: the decision entry points' default,
+                as in ``GrowUntilSaturated``: ``relative``, or ``paper`` when ``t`` is given (``t``
+                is that rule's threshold). Every rule the pass can compute is in the report.
+            tau: ``relative`` only: the relative threshold τ > 0.
+            projected: also compute V_S (Gram matrices) and the realisability ratio V_S/AG. On
+                by default here, unlike the decision paths (the callback, ``sweep``): a report of
+                V_S is what ``measure`` is for.
             seed: seed of the candidate blocks' feature weights.
             output_dir: where measure.json/.md go; default ``<default_root_dir>/measure``.
         """
         out = self._experiment_dir("measure", output_dir)
         model.to(self.strategy.root_device)
         result = run_measure(
-            model, datamodule, ckpt_path=ckpt_path, delta=delta, alpha=alpha, t=t, rule=rule,
+            model, datamodule, ckpt_path=ckpt_path, delta=delta, alpha=alpha, t=t, rule=rule, tau=tau,
             projected=projected, seed=seed, output_dir=out,
         )  # fmt: skip
         self._show(result.table())
@@ -176,7 +184,7 @@ class GrowTrainer(BaseGrowTrainer):
         growth_history: Optional[str] = None,
         delta: float = 0.0,
         alpha: float = 0.05,
-        rule: Literal["paper", "crossfit"] = "paper",
+        rule: Literal["paper", "crossfit", "relative"] = "paper",
         projected: bool = False,
         output_dir: Optional[str] = None,
         resume: bool = True,
@@ -188,8 +196,10 @@ class GrowTrainer(BaseGrowTrainer):
             depth_kwarg: the model hyper-parameter that sets depth (default: ``added``, else ``n_layer``).
             seed: seed of every training (the paper uses one seed per depth).
             growth_history: a ``growth_history.json`` of a growth run: marks where growth stopped.
-            delta, alpha, rule: the saturation test reported at each depth.
-            projected: also compute V_S at each depth (slower).
+            delta, alpha, rule: the saturation test reported at each depth. ``rule`` defaults to
+                ``paper``, unlike the decision entry points (``relative``): the sweep reproduces the
+                paper's Figure 1, whose verdict is Proposition 1's Γ̂ ≤ δ+t.
+            projected: also compute V_S at each depth (slower; off, as on every decision path).
             output_dir: sweep.json/.csv/.md and sweep.png; default ``<default_root_dir>/sweep``.
             resume: skip depths already in ``output_dir/runs.jsonl``.
         """
@@ -198,6 +208,41 @@ class GrowTrainer(BaseGrowTrainer):
             model, datamodule, trainer_kwargs=self.init_kwargs, depths=depths, depth_kwarg=depth_kwarg,
             seed=seed, growth_history=growth_history, delta=delta, alpha=alpha, rule=rule,
             projected=projected, output_dir=out, resume=resume,
+        )  # fmt: skip
+        self._show(result.table())
+        return result
+
+    def stopping(
+        self,
+        model: LightningModule,
+        datamodule: Optional[LightningDataModule] = None,
+        *,
+        depths: Union[str, list[int]] = "0..7",
+        seeds: list[int] = [0, 1, 2],  # noqa: B006 (LightningCLI reads the default from the signature)
+        depth_kwarg: Optional[str] = None,
+        output_dir: Optional[str] = None,
+        resume: bool = True,
+        skip_scratch: bool = False,
+    ):
+        """Growth until saturated beside a from-scratch depth sweep under one stopping rule.
+
+        The configured ``GrowUntilSaturated`` grows the model from its start depth (one run per
+        seed); every depth of ``depths`` is trained from scratch with the same callback at
+        ``max_growths=0`` (same plateau trigger, same final anneal). Reports d*, the found depths,
+        test losses and compute (``growtrain.experiments.stopping``).
+
+        Args:
+            depths: values of ``depth_kwarg`` for the scratch sweep (``"a..b"`` inclusive, or a list).
+            seeds: one growth run and one sweep per seed.
+            depth_kwarg: the model hyper-parameter that sets depth (default: ``added``, else ``n_layer``).
+            output_dir: stopping.json/.md/.png and runs.jsonl; default ``<default_root_dir>/stopping``.
+            resume: skip rows already in ``output_dir/runs.jsonl``.
+            skip_scratch: only the growth runs (e.g. a control that changes the data or τ).
+        """
+        out = self._experiment_dir("stopping", output_dir)
+        result = run_stopping(
+            model, datamodule, trainer_kwargs=self.init_kwargs, depths=depths, seeds=seeds, depth_kwarg=depth_kwarg,
+            output_dir=out, resume=resume, skip_scratch=skip_scratch,
         )  # fmt: skip
         self._show(result.table())
         return result

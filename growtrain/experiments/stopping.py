@@ -1,0 +1,227 @@
+"""Does growth stop where depth stops paying? Growth runs beside a from-scratch depth sweep.
+
+One config gives the trainer (with a configured ``GrowUntilSaturated``), the model at its start
+depth and the data. For every seed:
+
+* **growth**: the configured callback grows the model from its start depth until it certifies
+  saturation (or hits a budget), then ``on_saturated`` finishes the run (``"anneal"``: a cosine
+  anneal of the final network);
+* **scratch**: every depth of the sweep (``depths``, values of the depth hyper-parameter, e.g.
+  ``added``) is trained from random initialisation under the *same* stopping rule as the growth
+  run's final stage: the configured callback with ``max_growths=0`` — constant learning rate
+  until the training loss plateaus (same ``monitor``/``patience``/``min_rel_delta``/
+  ``min_stage_epochs``), then the same anneal. No probe is spent on scratch runs.
+
+Reported: per depth the scratch test loss (mean ± sd over seeds); ``d*`` = the smallest depth
+whose mean test loss is within one standard error of the best depth's; per growth seed the found
+depth, why it stopped, test loss and compute (FLOPs, wall time) beside scratch at ``d*`` and the
+whole sweep's cost. Rows are resumable (``runs.jsonl``): rerunning the same command skips done
+rows. ``stopping.png`` draws the sweep's test loss against depth with the found depths marked,
+and the relative rule's ratio trace of the first growth seed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Sequence
+
+from lightning.pytorch import LightningDataModule, LightningModule, seed_everything
+
+from growtrain.callbacks import ComputeMeter, GrowUntilSaturated, growth_callbacks
+from growtrain.callbacks.growth_config import GrowthConfig
+from growtrain.experiments._training import evaluate, sibling_trainer
+from growtrain.experiments.runs import (
+    ModuleFactory, RunLog, check_rebuildable, depth_offset, fingerprint, fmt, growable_of, markdown_table,
+    mean_std, module_at_depth, parse_depths, prepare, resolve_depth_kwarg, rich_table,
+)  # fmt: skip
+
+__all__ = ["StoppingResult", "run_stopping", "smallest_good_depth"]
+
+
+def smallest_good_depth(by_depth: dict[int, list[float]]) -> tuple[int, int]:
+    """``(d*, best)``: the depth with the lowest mean test loss, and the smallest depth whose mean
+    is within one standard error (of the best depth's mean) of it."""
+    means = {d: sum(v) / len(v) for d, v in by_depth.items() if v}
+    best = min(means, key=means.get)
+    values = by_depth[best]
+    if len(values) > 1:
+        mu = means[best]
+        se = math.sqrt(sum((v - mu) ** 2 for v in values) / (len(values) - 1)) / math.sqrt(len(values))
+    else:
+        se = 0.0
+    return min(d for d, m in means.items() if m <= means[best] + se), best
+
+
+@dataclass
+class StoppingResult:
+    scratch: list[dict]
+    growth: list[dict]
+    depth_kwarg: str
+    d_star: int | None = None
+    best_depth: int | None = None
+    output_dir: Path | None = None
+    files: dict[str, Path] = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        by_depth: dict[int, list[dict]] = {}
+        for r in self.scratch:
+            by_depth.setdefault(r["depth"], []).append(r)
+        sweep_flops = {}
+        for r in self.scratch:
+            sweep_flops[r["seed"]] = sweep_flops.get(r["seed"], 0.0) + (r.get("flops") or 0.0)
+        at_star = [r["test_loss"] for r in by_depth.get(self.d_star, [])]
+        growth = []
+        for g in self.growth:
+            total = sweep_flops.get(g["seed"])
+            growth.append({**g, "compute_vs_sweep": (g["flops"] / total) if total else None,
+                           "within_one_block": None if self.d_star is None else abs(g["depth"] - self.d_star) <= 1})  # fmt: skip
+        return {
+            "depth_kwarg": self.depth_kwarg, "d_star": self.d_star, "best_depth": self.best_depth,
+            "scratch_at_d_star": mean_std(at_star),
+            "by_depth": {d: {"test_loss": mean_std([r["test_loss"] for r in rows]),
+                             "train_loss": mean_std([r["train_loss"] for r in rows]),
+                             "epochs": mean_std([r["epochs"] for r in rows]),
+                             "flops": mean_std([r["flops"] for r in rows])} for d, rows in sorted(by_depth.items())},
+            "growth": growth,
+        }  # fmt: skip
+
+    def _cells(self):
+        s = self.summary()
+        header = [self.depth_kwarg, "seeds", "scratch test loss", "train loss", "epochs", "GFLOPs"]
+        rows = []
+        for d, v in s["by_depth"].items():
+            t, tr, ep, fl = v["test_loss"], v["train_loss"], v["epochs"], v["flops"]
+            mark = " (d*)" if d == s["d_star"] else ""
+            rows.append([f"{d}{mark}", str(t[2]), f"{fmt(t[0])} ± {fmt(t[1])}", fmt(tr[0]), fmt(ep[0], 3),
+                         fmt((fl[0] or 0) / 1e9, 3)])  # fmt: skip
+        for g in s["growth"]:
+            rows.append([f"growth → {g['depth']}", f"seed {g['seed']}", fmt(g["test_loss"]), fmt(g["train_loss"]),
+                         str(g["epochs"]), f"{fmt(g['flops'] / 1e9, 3)} ({fmt(g['compute_vs_sweep'], 2)}× sweep)"])  # fmt: skip
+        return header, rows
+
+    def table(self):
+        reasons = "; ".join(f"seed {g['seed']}: {g['stopped']}" for g in self.growth)
+        return rich_table(*self._cells(), title="Growth until saturated vs a from-scratch depth sweep",
+                          caption=f"d* = {self.d_star} (best {self.best_depth}); growth stopped by: {reasons}",
+                          left_columns=1)  # fmt: skip
+
+    def markdown(self) -> str:
+        return markdown_table(*self._cells())
+
+    def __rich__(self):
+        return self.table()
+
+
+def _scratch_grower(grow: GrowUntilSaturated) -> GrowUntilSaturated:
+    """The growth run's final-stage stopping rule with no growth: the same options, ``max_growths=0``."""
+    config = replace(grow.config, max_growths=0, verbose=False)
+    return GrowUntilSaturated(**{name: getattr(config, name) for name in GrowthConfig.names()})
+
+
+def run_stopping(
+    model: LightningModule,
+    datamodule: LightningDataModule,
+    *,
+    trainer_kwargs: dict | None = None,
+    depths: str | Sequence[int] = "0..7",
+    seeds: Sequence[int] = (0, 1, 2),
+    depth_kwarg: str | None = None,
+    output_dir: str | Path = "stopping",
+    resume: bool = True,
+    module_factory: ModuleFactory | None = None,
+    skip_scratch: bool = False,
+) -> StoppingResult:
+    """Growth runs and a scratch sweep under one stopping rule; writes stopping.json/.md/.png."""
+    values = parse_depths(depths)
+    name = resolve_depth_kwarg(model, depth_kwarg)
+    prepare(datamodule, "stopping")
+    check_rebuildable(model, module_factory)
+    kwargs = dict(trainer_kwargs or {})
+    configured = growth_callbacks(kwargs.get("callbacks"))
+    if len(configured) != 1:
+        raise ValueError(
+            f"trainer.callbacks: the stopping experiment needs exactly one GrowUntilSaturated (the growth run's "
+            f"decision and its final-stage stopping rule), found {len(configured)}. Fix: add one under "
+            "trainer.callbacks in the config."
+        )
+    grow = configured[0]
+    if grow.on_saturated == "stop":
+        raise ValueError(
+            "on_saturated: 'stop' ends the growth run unannealed, while the scratch runs finish their stage; "
+            "the comparison needs the same final stage for both. Fix: on_saturated: anneal (or continue)."
+        )
+    start = int(dict(model.hparams).get(name, 0))
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fp = fingerprint(
+        {k: v for k, v in dict(model.hparams).items() if not k.startswith("_")},
+        dict(getattr(datamodule, "hparams", {}) or {}),
+        {k: v for k, v in kwargs.items() if k not in ("default_root_dir", "logger", "enable_progress_bar", "callbacks")},
+        {k: v for k, v in vars(grow.config).items() if k not in ("probe", "network", "loss_fn")},
+        {"depth_kwarg": name},
+    )  # fmt: skip
+    log = RunLog(out / "runs.jsonl", fp, resume)
+    others = lambda cb: cb not in configured  # noqa: E731
+    growth_rows, scratch_rows = [], []
+    for seed in seeds:
+        key = f"growth/seed={seed}"
+        row = log.get(key)
+        if row is None:
+            seed_everything(seed, workers=True, verbose=False)
+            module = module_at_depth(model, start, name, module_factory)
+            runner = copy.deepcopy(grow)
+            runner.config = replace(runner.config, seed=seed)
+            runner.seed = seed
+            row = log.add(key, _train(module, datamodule, kwargs, out / f"growth_seed{seed}", others, runner, name,
+                                      depth_offset(model, name), seed))  # fmt: skip
+        growth_rows.append(row)
+    for seed in seeds if not skip_scratch else ():
+        for value in values:
+            key = f"scratch/{name}={value}/seed={seed}"
+            row = log.get(key)
+            if row is None:
+                seed_everything(seed, workers=True, verbose=False)
+                module = module_at_depth(model, value, name, module_factory)
+                row = log.add(key, _train(module, datamodule, kwargs, out / f"scratch_{name}{value}_seed{seed}", others,
+                                          _scratch_grower(grow), name, depth_offset(model, name), seed))  # fmt: skip
+            scratch_rows.append(row)
+    result = StoppingResult(scratch=scratch_rows, growth=growth_rows, depth_kwarg=name, output_dir=out)
+    if scratch_rows:
+        by_depth: dict[int, list[float]] = {}
+        for r in scratch_rows:
+            by_depth.setdefault(r["depth"], []).append(r["test_loss"])
+        result.d_star, result.best_depth = smallest_good_depth(by_depth)
+    (out / "stopping.json").write_text(json.dumps({"summary": result.summary(), "growth": growth_rows,
+                                                   "scratch": scratch_rows}, indent=1, default=str))  # fmt: skip
+    (out / "stopping.md").write_text("# Growth until saturated vs a from-scratch sweep\n\n" + result.markdown())
+    from growtrain.plots import plot_stopping
+
+    plot_stopping(result.summary(), growth_rows, out / "stopping.png")
+    result.files = {k: out / f"stopping.{k}" for k in ("json", "md", "png")}
+    return result
+
+
+def _train(module, datamodule, kwargs, root: Path, keep, grower: GrowUntilSaturated, name: str, offset: int,
+           seed: int) -> dict:  # fmt: skip
+    meter = ComputeMeter()
+    trainer = sibling_trainer(kwargs, root, keep=keep, extra_callbacks=[meter, grower])
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule)
+    wall = time.perf_counter() - start
+    network = growable_of(module)
+    blocks = network.depth()
+    return {
+        "seed": seed, "depth": blocks - offset, "blocks": blocks,
+        "train_loss": evaluate(module, datamodule, "train", kwargs, root / "eval").get("loss"),
+        "test_loss": evaluate(module, datamodule, "test", kwargs, root / "eval").get("loss"),
+        "epochs": trainer.current_epoch, "flops": meter.flops, "wall_s": wall, "probe_s": grower.probe_seconds,
+        "stopped": grower.finished, "stop_reason": grower.stop_reason, "growths": grower.growths,
+        "history": [{k: h.get(k) for k in ("epoch", "depth_before", "action", "site", "lower", "margin", "reference",
+                                            "ratio", "gamma", "threshold", "verdicts")} for h in grower.history],
+        "params": sum(p.numel() for p in module.parameters()),
+    }  # fmt: skip
