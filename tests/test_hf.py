@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import shutil
 
 import pytest
@@ -304,3 +305,25 @@ def test_an_unregistered_class_is_refused_until_register_decoder_names_its_layou
             assert torch.equal(net(x), before) and net.config.num_hidden_layers == 3
     finally:
         DECODERS.pop("MyForCausalLM", None)
+
+
+def test_existing_layers_expose_their_output_projections_for_the_relative_rule():
+    from growtrain.growable import terminal_parameters
+
+    net = growable(tiny_model("gpt_neox"))
+    layer = net.stage("layers")[1]
+    assert [id(p) for p in terminal_parameters(layer)] == [id(p) for p in (
+        layer.attention.dense.weight, layer.attention.dense.bias, layer.mlp.dense_4h_to_h.weight, layer.mlp.dense_4h_to_h.bias,
+    )]  # fmt: skip
+    assert "terminal_parameters" not in "".join(net.model.state_dict())  # not a parameter, not saved
+    copied = copy.deepcopy(net).stage("layers")[1]
+    assert terminal_parameters(copied)[0] is copied.attention.dense.weight  # a copy answers with its own
+    x, y = _tokens(6, (16, 8)), _tokens(7, (16, 8))
+    try:
+        report = measure_saturation(net, [(x[:8], y[:8]), (x[8:], y[8:])], token_cross_entropy, rule="relative")
+    except ValueError as err:  # pragma: no cover - a growtrain without the relative rule
+        pytest.skip(f"no relative rule here: {err}")
+    # R (the existing layers' debiased RMS gradient, read through their terminal_parameters) can be 0
+    # when noise dominates; before the layers exposed V this raised "no block has terminal_parameters()".
+    assert report.rule == "relative" and math.isfinite(report.reference) and report.reference >= 0
+    assert all(p.requires_grad for p in net.parameters())  # the probe gave the flags back

@@ -155,6 +155,26 @@ def _refusal(model: nn.Module, allow_frozen: bool) -> str | None:
     return None
 
 
+class _TerminalParameters:
+    """``layer.terminal_parameters()`` for a Hugging Face decoder layer: its ``V`` (attention and
+    MLP output projections, each weight then bias), the contract ``growtrain.growable`` and the
+    probe's relative rule read from *existing* blocks. A plain callable instance attribute, not a
+    method or submodule: the layer keeps its class, its ``state_dict`` and ``save_pretrained``
+    output; ``deepcopy`` maps ``layer`` to the copy."""
+
+    def __init__(self, layer: nn.Module, paths: tuple[str, str]):
+        self.layer, self.paths = layer, paths
+
+    def __call__(self) -> list[nn.Parameter]:
+        out = []
+        for path in self.paths:
+            proj = _get(self.layer, path)
+            out.append(proj.weight)
+            if getattr(proj, "bias", None) is not None:
+                out.append(proj.bias)
+        return out
+
+
 def growable(model: nn.Module, *, allow_frozen: bool = False) -> "HFGrowable":
     """Wrap a loaded Hugging Face causal LM so that growtrain can measure and grow it.
 
@@ -209,6 +229,7 @@ class HFGrowable(GrowableMixin, nn.Module):
         for i, layer in enumerate(layers):
             # The layer's own attention type travels with it when later insertions shift it.
             layer._growtrain_layer_type = types[i] if types is not None else None
+            self._mark(layer)
         self._init_growth()
         self.training = model.training  # the wrapper adds no module of its own: it is in the model's mode
         # Per decoder-layer index: (positional args after the hidden states, keyword args) of
@@ -260,19 +281,17 @@ class HFGrowable(GrowableMixin, nn.Module):
         for module in layer.modules():
             self.model._init_weights(module)
         layer._growtrain_layer_type = layer_type
+        self._mark(layer)
         _zero(self._terminal(layer))
         for path in self.spec.layer_idx:
             _set(layer, path, index)
         return layer
 
+    def _mark(self, layer: nn.Module) -> None:
+        layer.terminal_parameters = _TerminalParameters(layer, (self.spec.attn_out, self.spec.mlp_out))
+
     def _terminal(self, layer: nn.Module) -> list[nn.Parameter]:
-        out = []
-        for path in (self.spec.attn_out, self.spec.mlp_out):
-            proj = _get(layer, path)
-            out.append(proj.weight)
-            if getattr(proj, "bias", None) is not None:
-                out.append(proj.bias)
-        return out
+        return _TerminalParameters(layer, (self.spec.attn_out, self.spec.mlp_out))()
 
     def grow(self, site: Site | str, block: nn.Module | None = None) -> nn.Module:
         """Insert a zero-output decoder layer at ``site`` and return the inserted layer.
@@ -304,6 +323,7 @@ class HFGrowable(GrowableMixin, nn.Module):
         if not hasattr(layer, "_growtrain_layer_type"):
             neighbour = layers[min(site.index, len(layers) - 1)]
             layer._growtrain_layer_type = getattr(neighbour, "_growtrain_layer_type", None)
+        self._mark(layer)
         layer.train(layers[min(site.index, len(layers) - 1)].training)  # the neighbours' mode, e.g. eval
         layers.insert(site.index, layer)
         self.sync()
