@@ -327,3 +327,29 @@ def test_existing_layers_expose_their_output_projections_for_the_relative_rule()
     # when noise dominates; before the layers exposed V this raised "no block has terminal_parameters()".
     assert report.rule == "relative" and math.isfinite(report.reference) and report.reference >= 0
     assert all(p.requires_grad for p in net.parameters())  # the probe gave the flags back
+
+
+def test_mixed_layer_types_follow_their_layers_and_the_probe_uses_each_positions_mask():
+    # Qwen2 with a sliding window from layer 1 on: layer_types = [full, sliding], per-layer masks.
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    net = growable(model)
+    x, y = _tokens(8, (4, 12)), _tokens(9, (4, 12))
+    with torch.no_grad():
+        before = net(x)
+        tokens = model.generate(x[:1], max_new_tokens=6, do_sample=False)
+    net.grow("layers.1")  # in front of a sliding layer: sliding
+    net.grow("layers.0")  # in front of the full layer: full
+    assert model.config.layer_types == ["full_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [None, None, 4, 4]
+    with torch.no_grad():
+        assert torch.equal(net(x), before)
+        assert torch.equal(model.generate(x[:1], max_new_tokens=6, do_sample=False), tokens)
+    report = measure_saturation(net, [(x, y)], token_cross_entropy, projected=False)
+    for name in ("layers.1", "layers.3"):  # a full-attention and a sliding-window candidate
+        record = report.record(name)
+        grown = copy.deepcopy(net)
+        layer = grown.grow(record.site, copy.deepcopy(record.block))
+        grads = torch.autograd.grad(token_cross_entropy(grown(x), y), grown.terminal_parameters_of(layer))
+        for g, h in zip(grads, record.grad):
+            torch.testing.assert_close(h, g, rtol=1e-4, atol=1e-6)
