@@ -223,6 +223,7 @@ class GrowTrainer(BaseGrowTrainer):
         output_dir: Optional[str] = None,
         resume: bool = True,
         skip_scratch: bool = False,
+        skip_growth: bool = False,
     ):
         """Growth until saturated beside a from-scratch depth sweep under one stopping rule.
 
@@ -238,11 +239,12 @@ class GrowTrainer(BaseGrowTrainer):
             output_dir: stopping.json/.md/.png and runs.jsonl; default ``<default_root_dir>/stopping``.
             resume: skip rows already in ``output_dir/runs.jsonl``.
             skip_scratch: only the growth runs (e.g. a control that changes the data or τ).
+            skip_growth: only the scratch sweep (e.g. in a second process beside the growth runs).
         """
         out = self._experiment_dir("stopping", output_dir)
         result = run_stopping(
             model, datamodule, trainer_kwargs=self.init_kwargs, depths=depths, seeds=seeds, depth_kwarg=depth_kwarg,
-            output_dir=out, resume=resume, skip_scratch=skip_scratch,
+            output_dir=out, resume=resume, skip_scratch=skip_scratch, skip_growth=skip_growth,
         )  # fmt: skip
         self._show(result.table())
         return result

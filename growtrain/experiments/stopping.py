@@ -42,6 +42,10 @@ from growtrain.experiments.runs import (
 
 __all__ = ["StoppingResult", "run_stopping", "smallest_good_depth"]
 
+# GrowUntilSaturated options that change only the growth decision, not a scratch run.
+DECISION_OPTIONS = ("rule", "tau", "alpha", "delta", "t", "alpha_spending", "top_k", "max_growths", "max_blocks",
+                    "max_params", "calibrate", "projected", "seed", "log_sites", "probe_budget")  # fmt: skip
+
 
 def smallest_good_depth(by_depth: dict[int, list[float]]) -> tuple[int, int]:
     """``(d*, best)``: the depth with the lowest mean test loss, and the smallest depth whose mean
@@ -135,6 +139,7 @@ def run_stopping(
     resume: bool = True,
     module_factory: ModuleFactory | None = None,
     skip_scratch: bool = False,
+    skip_growth: bool = False,
 ) -> StoppingResult:
     """Growth runs and a scratch sweep under one stopping rule; writes stopping.json/.md/.png."""
     values = parse_depths(depths)
@@ -158,18 +163,22 @@ def run_stopping(
     start = int(dict(model.hparams).get(name, 0))
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    options = {k: v for k, v in vars(grow.config).items() if k not in ("probe", "network", "loss_fn", "verbose")}
+    # The file's fingerprint holds what every row shares (model, data, trainer, the stopping rule);
+    # the decision's options (rule, τ, α, …) key the growth rows only, so a τ control reuses the sweep.
+    decision = {k: options.pop(k) for k in DECISION_OPTIONS}
     fp = fingerprint(
         {k: v for k, v in dict(model.hparams).items() if not k.startswith("_")},
         dict(getattr(datamodule, "hparams", {}) or {}),
         {k: v for k, v in kwargs.items() if k not in ("default_root_dir", "logger", "enable_progress_bar", "callbacks")},
-        {k: v for k, v in vars(grow.config).items() if k not in ("probe", "network", "loss_fn")},
-        {"depth_kwarg": name},
+        options, {"depth_kwarg": name},
     )  # fmt: skip
     log = RunLog(out / "runs.jsonl", fp, resume)
+    decision_key = fingerprint(decision)
     others = lambda cb: cb not in configured  # noqa: E731
     growth_rows, scratch_rows = [], []
-    for seed in seeds:
-        key = f"growth/seed={seed}"
+    for seed in seeds if not skip_growth else ():
+        key = f"growth/{decision_key}/seed={seed}"
         row = log.get(key)
         if row is None:
             seed_everything(seed, workers=True, verbose=False)
