@@ -175,7 +175,7 @@ def crossfit_from_samples(xi: torch.Tensor, level: float, bound: str = "normal")
     norm = sum_a.norm(dim=-1, keepdim=True)
     u = sum_a / torch.where(norm > 0, norm, torch.ones_like(norm))
     s = (xi[..., n_a:, :] @ u.unsqueeze(-1)).squeeze(-1)  # (..., n_b)
-    lower = torch.as_tensor(crossfit_lower_bound(s, level, bound), dtype=torch.float64)
+    lower = torch.as_tensor(crossfit_lower_bound(s, level, bound), dtype=torch.float64, device=xi.device)
     return torch.where(norm.squeeze(-1) > 0, lower, torch.full_like(lower, -math.inf))
 
 
@@ -338,9 +338,8 @@ class CrossFitState:
                 f"A is the first {self.n_a} of them, B the other {self._seen[0] - self.n_a}",
                 stacklevel=3,
             )
-        s_all = [torch.cat(s) if s else torch.zeros(0, dtype=torch.float64) for s in self._s]
-        device = self._sum_a[0].device
-        s_all = [s.to(device) for s in s_all]
+        device = self._sum_a[0].device  # the probe's device: every scalar below stays there
+        s_all = [torch.cat(s) if s else torch.zeros(0, dtype=torch.float64, device=device) for s in self._s]
         n_a = torch.tensor(float(min(self.n_a, self._seen[0])), dtype=torch.float64, device=device)
         n_b = torch.tensor(float(self._seen[0] - self.n_a), dtype=torch.float64, device=device)
         sums = torch.stack([s.sum() for s in s_all] + [n_a, n_b])  # (K + 2,)

@@ -245,12 +245,16 @@ class GrowableMixin:
         RNG is left untouched), so candidates are reproducible across resumes and ranks.
         """
         site = self.site(site)
-        if seed is None:
-            block = self.make_block(site.stage)
-        else:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(int(seed))
+        # Built on the CPU whatever torch.set_default_device says: the seeded stream is the CPU
+        # generator (fork_rng(devices=[]) restores only that one), so a block built on CUDA would
+        # draw from, and advance, the global CUDA RNG and differ from the same seed on a CPU run.
+        with torch.device("cpu"):
+            if seed is None:
                 block = self.make_block(site.stage)
+            else:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(int(seed))
+                    block = self.make_block(site.stage)
         ref = self.neighbour_tensor(site)
         return block.to(device=ref.device, dtype=ref.dtype)
 

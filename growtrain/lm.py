@@ -23,12 +23,11 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 from torch.nn import functional as F
 from torchmetrics import MeanMetric
-from torchmetrics.text import Perplexity
 
 from growtrain.models.gpt import GPT, GPTConfig
 from growtrain.module import ConfiguredOptimizerMixin, GrowableModuleMixin, SharedStepsMixin
 
-__all__ = ["LanguageModel", "gpt2_adamw", "token_cross_entropy"]
+__all__ = ["ExpMean", "LanguageModel", "gpt2_adamw", "token_cross_entropy"]
 
 
 def gpt2_adamw(params: Iterable) -> torch.optim.AdamW:
@@ -37,6 +36,19 @@ def gpt2_adamw(params: Iterable) -> torch.optim.AdamW:
     Groups that set their own ``weight_decay`` (the ``no_decay`` groups: 0) keep it.
     """
     return torch.optim.AdamW(params, lr=2.5e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+class ExpMean(MeanMetric):
+    """``exp`` of a weighted mean: perplexity from token-mean losses weighted by token counts.
+
+    ``exp(Σ_b n_b L_b / Σ_b n_b)`` with ``L_b`` a batch's token-mean cross-entropy and ``n_b``
+    its token count is ``exp`` of the mean per-token negative log-likelihood: what
+    ``torchmetrics.text.Perplexity`` computes, without its per-step softmax over the whole
+    ``(B, T, vocab)`` logits and its boolean-mask indexing (a host sync on a GPU each step).
+    """
+
+    def compute(self) -> torch.Tensor:
+        return super().compute().exp()
 
 
 def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -67,8 +79,9 @@ class LanguageModel(GrowableModuleMixin, ConfiguredOptimizerMixin, SharedStepsMi
             paper); ``"none"`` decays everything.
 
     Logs per epoch: ``train_loss``, ``train_ppl``, ``val_loss``, ``val_ppl``, ``test_loss``,
-    ``test_ppl`` (token-weighted; ppl = exp of the epoch's mean token loss, torchmetrics'
-    ``Perplexity``); ``loss`` per step in the progress bar.
+    ``test_ppl`` (token-weighted; ppl = exp of the epoch's mean token loss, ``ExpMean``);
+    ``loss`` in the progress bar (a step's loss, refreshed every ``log_every_n_steps`` steps).
+    No step waits for the device: metrics accumulate on it and are read once per epoch.
     """
 
     growable_attr = "network"
@@ -97,8 +110,9 @@ class LanguageModel(GrowableModuleMixin, ConfiguredOptimizerMixin, SharedStepsMi
         self.network = network
         self.metrics = nn.ModuleDict()
         for stage in ("train", "val", "test"):
-            self.metrics[f"{stage}_loss"] = MeanMetric()
-            self.metrics[f"{stage}_ppl"] = Perplexity()
+            # nan_strategy="disable": NaN screening reads a device value on the host every step.
+            self.metrics[f"{stage}_loss"] = MeanMetric(nan_strategy="disable")
+            self.metrics[f"{stage}_ppl"] = ExpMean(nan_strategy="disable")
 
     # The growth callback finds the probe loss here (ImageClassifier has the same method).
     probe_loss = staticmethod(token_cross_entropy)
@@ -110,8 +124,10 @@ class LanguageModel(GrowableModuleMixin, ConfiguredOptimizerMixin, SharedStepsMi
         x, y = batch  # (B, T), (B, T)
         logits = self(x)  # (B, T, vocab)
         loss = token_cross_entropy(logits, y)
-        self.metrics[f"{stage}_loss"].update(loss.detach(), weight=y.numel())
-        self.metrics[f"{stage}_ppl"].update(logits.detach().float(), y)
+        # Weights made on the device (full_like): a Python number would be copied there each step.
+        tokens = torch.full_like(loss.detach(), y.numel(), dtype=torch.float32)
+        self.metrics[f"{stage}_loss"].update(loss.detach(), weight=tokens)
+        self.metrics[f"{stage}_ppl"].update(loss.detach(), weight=tokens)
         self.log(f"{stage}_loss", self.metrics[f"{stage}_loss"], on_step=False, on_epoch=True, prog_bar=True)
         self.log(f"{stage}_ppl", self.metrics[f"{stage}_ppl"], on_step=False, on_epoch=True)
         return loss

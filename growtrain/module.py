@@ -130,7 +130,16 @@ class SharedStepsMixin:
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self._shared_step(batch, "train")
-        self.log("loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, logger=False)
+        # The progress bar turns a logged tensor into a Python number on every step; for a CUDA
+        # tensor that is a host synchronisation that drains the GPU's queue each step. So the
+        # bar's loss is a CPU copy refreshed every `log_every_n_steps` steps (one sync per
+        # refresh); the steps in between show that copy again without touching the device.
+        trainer = getattr(self, "_trainer", None)
+        every = max(1, int(getattr(trainer, "log_every_n_steps", 1) or 1))
+        shown = getattr(self, "_shown_step_loss", None)
+        if shown is None or batch_idx % every == 0:
+            shown = self._shown_step_loss = loss.detach().float().cpu()
+        self.log("loss", shown, on_step=True, on_epoch=False, prog_bar=True, logger=False)
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> None:
@@ -158,7 +167,9 @@ class ImageClassifier(GrowableModuleMixin, ConfiguredOptimizerMixin, SharedSteps
             norms and embeddings (see ``growtrain.optim.param_groups``).
 
     Logs per epoch: ``train_loss``, ``train_acc``, ``val_loss``, ``val_acc``, ``test_loss``,
-    ``test_acc`` (sample-weighted means over the epoch); ``loss`` per step in the progress bar.
+    ``test_acc`` (sample-weighted means over the epoch); ``loss`` in the progress bar (a step's
+    loss, refreshed every ``log_every_n_steps`` steps). No step waits for the device: metrics
+    accumulate on it and are read once per epoch.
     """
 
     def __init__(
@@ -193,9 +204,12 @@ class ImageClassifier(GrowableModuleMixin, ConfiguredOptimizerMixin, SharedSteps
         self.network = network
         self.metrics = nn.ModuleDict()
         for stage in ("train", "val", "test"):
-            self.metrics[f"{stage}_loss"] = MeanMetric()
+            # No per-step checks that read device values on the host (a sync per step on a GPU):
+            # NaN screening (a NaN loss now makes the epoch mean NaN instead of being dropped
+            # with a warning) and label validation (cross_entropy already rejects bad labels).
+            self.metrics[f"{stage}_loss"] = MeanMetric(nan_strategy="disable")
             # micro average = plain accuracy (torchmetrics' default is macro)
-            self.metrics[f"{stage}_acc"] = MulticlassAccuracy(num_classes, average="micro")
+            self.metrics[f"{stage}_acc"] = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
 
     # The growth callback scores candidate blocks with this loss (LanguageModel has the same
     # method): the batch-mean cross-entropy, exactly what training minimises.
@@ -208,7 +222,9 @@ class ImageClassifier(GrowableModuleMixin, ConfiguredOptimizerMixin, SharedSteps
         x, y = batch
         logits = self(x)  # (B, num_classes)
         loss = F.cross_entropy(logits, y)
-        self.metrics[f"{stage}_loss"].update(loss.detach(), weight=y.numel())
+        # The weight is made on the device (full_like): a Python number would be copied there.
+        weight = torch.full_like(loss.detach(), y.numel(), dtype=torch.float32)
+        self.metrics[f"{stage}_loss"].update(loss.detach(), weight=weight)
         self.metrics[f"{stage}_acc"].update(logits.detach(), y)
         self.log(f"{stage}_loss", self.metrics[f"{stage}_loss"], on_step=False, on_epoch=True, prog_bar=True)
         self.log(f"{stage}_acc", self.metrics[f"{stage}_acc"], on_step=False, on_epoch=True)
