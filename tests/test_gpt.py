@@ -206,7 +206,7 @@ def test_fit_grows_and_resumes_with_the_grown_depth(datamodule, tmp_path):
     path = tmp_path / "after_growth.ckpt"
     t.save_checkpoint(path)
     resumed = tiny_lm(datamodule, n_layer=1)
-    again = callback.GrowUntilSaturated(monitor=None, every_n_epochs=1, delta=0.0, t=1e-6, max_growths=1)
+    again = GrowUntilSaturated(monitor=None, every_n_epochs=1, delta=0.0, t=1e-6, max_growths=1)
     t2 = trainer(tmp_path / "resume", max_epochs=3, callbacks=[again])
     t2.fit(resumed, datamodule, ckpt_path=str(path))
     assert resumed.network.depth() == 2  # rebuilt from the checkpoint; max_growths already used

@@ -6,8 +6,9 @@ growtrain module, at module level or deferred inside a function (a deferred impo
 from the interpreter but not from a reader). Imports inside a module-level ``__getattr__``
 (PEP 562) are not edges: that is how an old, deprecated path re-exports a name from its new home
 on first use. Imports under ``if TYPE_CHECKING:`` never run: they must point down the layers
-like any other, but do not make a cycle (a type annotation does not fix an import order). A *shim* (a module that only re-exports, e.g. ``growtrain.callback`` after the
-callback moved into ``growtrain.callbacks``) may import from any layer, but not into a cycle.
+like any other, but make no cycle (a type annotation does not fix an import order). A *shim*
+(a module that only re-exports, e.g. ``growtrain.callback`` after the callback moved into
+``growtrain.callbacks``) may import from any layer, but not into a cycle.
 """
 
 from __future__ import annotations
@@ -116,10 +117,12 @@ def is_shim(path: Path) -> bool:
             continue
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):  # warnings.warn(...)
             func = node.value.func
-            if (isinstance(func, ast.Attribute) and func.attr == "warn") or (isinstance(func, ast.Name) and func.id == "warn"):
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            if name == "warn":
                 continue
             return False
-        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id in ("__all__", "__getattr__") for t in node.targets):
+        reexports = ("__all__", "__getattr__")
+        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id in reexports for t in node.targets):
             continue
         if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
             continue
@@ -129,7 +132,10 @@ def is_shim(path: Path) -> bool:
 
 def import_graph(*, include_type_only: bool = True) -> dict[str, set[str]]:
     modules = package_modules()
-    return {name: imported_modules(name, path, modules, include_type_only=include_type_only) for name, path in modules.items()}
+    return {
+        name: imported_modules(name, path, modules, include_type_only=include_type_only)
+        for name, path in modules.items()
+    }
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -208,7 +214,10 @@ def test_cycle_finder_and_layers_on_known_graphs():
 
 def test_shim_detection(tmp_path):
     shim = tmp_path / "shim.py"
-    shim.write_text('"""Moved."""\nimport warnings\nfrom growtrain.callbacks.growth import *\nwarnings.warn("moved", DeprecationWarning)\n__all__ = ["X"]\n')
+    shim.write_text(
+        '"""Moved."""\nimport warnings\nfrom growtrain.callbacks.growth import *\n'
+        'warnings.warn("moved", DeprecationWarning)\n__all__ = ["X"]\n'
+    )
     real = tmp_path / "real.py"
     real.write_text("import torch\nX = 1\n")
     assert is_shim(shim) and not is_shim(real)

@@ -27,6 +27,7 @@ from growtrain.experiments.runs import (
     probe_loss_of,
     rich_table,
 )
+from growtrain.decision import DEFAULT_RULE, DEFAULT_TAU
 from growtrain.saturation import SaturationReport, measure_saturation
 
 __all__ = ["MeasureResult", "run_measure", "site_dims"]
@@ -120,19 +121,27 @@ def run_measure(
     delta: float = 0.0,
     alpha: float = 0.05,
     t: float | None = None,
-    rule: str = "paper",
+    rule: str | None = None,
+    tau: float = DEFAULT_TAU,
     projected: bool = True,
     seed: int = 0,
     output_dir: str | Path | None = None,
 ) -> MeasureResult:
-    """Score every candidate site of ``model`` (loaded from ``ckpt_path`` if given) on the probe split."""
+    """Score every candidate site of ``model`` (loaded from ``ckpt_path`` if given) on the probe split.
+
+    ``rule=None`` resolves as in ``GrowUntilSaturated``: ``"relative"`` (the decision entry
+    points' default), or ``"paper"`` when ``t`` is given. ``projected=True``: V_S is reported.
+    """
+    if rule is None:  # t is the paper rule's threshold: giving it asks for that rule
+        rule = "paper" if t is not None else DEFAULT_RULE
     prepare(datamodule, "measure")
     if ckpt_path is not None:
         load_checkpoint_into(model, ckpt_path)
     network = growable_of(model)
     probe = datamodule.probe_dataloader()
     report = measure_saturation(
-        network, probe, probe_loss_of(model), delta=delta, alpha=alpha, t=t, rule=rule, projected=projected, seed=seed
+        network, probe, probe_loss_of(model), delta=delta, alpha=alpha, t=t, rule=rule, tau=tau, projected=projected,
+        seed=seed,
     )
     example = next(iter(probe))[0].to(network.neighbour_tensor(network.sites()[0]).device)
     result = MeasureResult(report, site_dims(network, example), ckpt_path=ckpt_path)
