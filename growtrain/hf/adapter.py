@@ -31,6 +31,7 @@ That is ``growtrain.families.base.DenseFeatures``: the joint one-pass probe of
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -232,8 +233,8 @@ class HFGrowable(GrowableMixin, nn.Module):
             self._mark(layer)
         self._init_growth()
         self.training = model.training  # the wrapper adds no module of its own: it is in the model's mode
-        # Per decoder-layer index: (positional args after the hidden states, keyword args) of
-        # the last forward, without the KV cache. Plain attribute: no state_dict entry.
+        # Per decoder-layer index: the arguments after the hidden states (by name) that the last
+        # forward gave that layer, KV cache removed. Plain attribute: no state_dict entry.
         object.__setattr__(self, "_layer_calls", {})
 
     # -- growth protocol -----------------------------------------------------------------
@@ -373,7 +374,8 @@ class HFGrowable(GrowableMixin, nn.Module):
 
     def _recorder(self, index: int):
         def record(module, args, kwargs):
-            bound = inspect.signature(module.forward).bind_partial(None, *args[1:], **kwargs).arguments
+            bound = _signature(type(module)).bind_partial(module, None, *args[1:], **kwargs).arguments
+            bound.pop(next(iter(bound)))  # self
             bound.pop(next(iter(bound)))  # the hidden states: the probe supplies its own
             for name in _CACHE_ARGS:
                 if name in bound:
@@ -405,6 +407,12 @@ class HFGrowable(GrowableMixin, nn.Module):
         """The model's own ``save_pretrained``: a plain Hugging Face checkpoint at the grown depth."""
         self.sync()
         return self.model.save_pretrained(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(layer_class: type) -> inspect.Signature:
+    # Read once per layer class: the recorder runs on every layer of every forward.
+    return inspect.signature(layer_class.forward)
 
 
 def _zero(params: list[nn.Parameter]) -> None:
