@@ -353,3 +353,14 @@ def test_mixed_layer_types_follow_their_layers_and_the_probe_uses_each_positions
         grads = torch.autograd.grad(token_cross_entropy(grown(x), y), grown.terminal_parameters_of(layer))
         for g, h in zip(grads, record.grad):
             torch.testing.assert_close(h, g, rtol=1e-4, atol=1e-6)
+
+
+def test_probe_under_bf16_autocast_agrees_with_float32():
+    # bf16-mixed training probes under autocast: the candidate layers run in bf16 inside the hooks.
+    net = growable(tiny_model("gpt_neox", seed=2))
+    x, y = _tokens(10, (4, 12)), _tokens(11, (4, 12))
+    exact = measure_saturation(net, [(x, y)], token_cross_entropy, projected=False)
+    mixed = measure_saturation(net, [(x, y)], token_cross_entropy, projected=False, autocast_dtype=torch.bfloat16)
+    for a, b in zip(exact.sites, mixed.sites):
+        assert b.grad_norm == pytest.approx(a.grad_norm, rel=0.05) and b.ag == pytest.approx(a.ag, rel=0.05)
+        assert all(g.dtype == torch.float32 for g in b.grad)  # reported in the weights' dtype
