@@ -327,7 +327,7 @@ def grown_blocks(network: nn.Module) -> list[nn.Module]:
     return list(getattr(network, "_grown_blocks", []))
 
 
-def replay_growth(network: nn.Module, records: Sequence[dict]) -> list[nn.Module]:
+def replay_growth(network: GrowableNetwork, records: Sequence[dict]) -> list[nn.Module]:
     """Rebuild a grown architecture from ``network.growth_log`` records.
 
     Inserts fresh zero-output blocks at the recorded sites, in order, skipping the records the

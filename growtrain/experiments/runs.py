@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch import nn
 
-from growtrain.growable import probe_loss_for, replay_growth, resolve_network
+from growtrain.growable import GrowableNetwork, probe_loss_for, replay_growth, resolve_network
 
 __all__ = [
     "DEPTH_KWARGS",
@@ -61,7 +61,7 @@ def growable_of(module: nn.Module) -> nn.Module:
         raise TypeError(f"model: {err}") from err
 
 
-def stage_sizes(network: nn.Module) -> dict[str, int]:
+def stage_sizes(network: GrowableNetwork) -> dict[str, int]:
     """Blocks per growable stage, in stage order: ``{"layer1": 2, "layer2": 1, …}``."""
     stages = getattr(network, "growable_stages", None) or list(dict.fromkeys(s.stage for s in network.sites()))
     return {s: len(network.stage(s)) for s in stages}
