@@ -16,7 +16,7 @@ def tiny_fit_args(root: Path, *extra: str) -> list[str]:
     return [
         "fit",
         f"--config={CONFIGS / 'quickstart.yaml'}",
-        "--trainer.max_epochs=3",  # the quickstart checks every 3 epochs
+        "--trainer.max_epochs=3",
         "--trainer.limit_train_batches=2",
         "--trainer.limit_val_batches=1",
         "--trainer.logger=false",
@@ -46,7 +46,10 @@ def test_fit_quickstart_config_tiny(tmp_path):
     assert hparams["optimizer"]["class_path"] == "torch.optim.SGD"  # the config, as plain data
 
     (grower,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "GrowUntilSaturated"]
-    assert len(grower.history) == 1  # one probe check, after the third epoch
+    # as shipped: checks on a validation-loss plateau, the relative rule, a final anneal
+    assert (grower.monitor, grower.rule, grower.tau, grower.on_saturated) == ("val_loss", "relative", 0.5, "anneal")
+    # a plateau needs patience=2 epochs without improvement after the first: no check before the third epoch
+    assert all(h["epoch"] >= 2 and h["action"] in ("grow", "saturated", "budget") for h in grower.history)
 
 
 # Replaces the quickstart's callbacks: checkpoints as there, and a grower that must grow once
