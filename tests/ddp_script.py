@@ -2,12 +2,21 @@
 
 Lightning's ``ddp`` launcher re-runs this script for rank 1, so it must be a plain script:
 
-    PYTHONPATH=. python tests/ddp_script.py --out /tmp/ddp_out [--no-rewrap]
+    PYTHONPATH=. python tests/ddp_script.py --out /tmp/ddp_out [--same-buffers] [--no-rewrap]
+        [--then-no-rewrap /tmp/ddp_control]
 
-Each rank writes ``rank{r}.json``: its growth history, growth log, param-group names, the
-probe sample size it saw after the all-reduce, its own probe shard size, and a checksum of its
-parameters (buffers are left out: DDP broadcasts rank 0's BatchNorm buffers each forward, so
-after the last step every rank's running statistics are its own).
+Each rank writes ``rank{r}.json``: its growth history, growth log, param-group names, its own
+probe shard (the probe-dataset indices in its loader order), and checksums of its parameters
+and buffers right before the first check and at the end. Rank 0 also saves
+``pre_check.pt`` (the module's state right before the first check) and every rank
+``inserted{r}.pt`` (the block inserted by the first check, right after it), so the test can
+redo the first check in a single process and compare.
+
+``--same-buffers`` (the comparison run) broadcasts rank 0's buffers right before the first
+check. DDP broadcasts rank 0's BatchNorm buffers at the start of each training forward, but the
+last forward then updates each rank's running statistics with its own batch, so without it the
+ranks probe with slightly different eval-mode statistics (recorded as ``buffers_before_check``;
+SyncBatchNorm, which would keep them equal, needs GPUs).
 """
 
 from __future__ import annotations
@@ -22,44 +31,76 @@ import torch
 
 from growtrain.callbacks import GrowUntilSaturated
 from growtrain.data import ImageDataModule
+from growtrain.growable import grown_blocks
 from growtrain.module import ImageClassifier
 
 
-def parameter_checksum(module: torch.nn.Module) -> tuple[str, float]:
+def checksum(tensors) -> str:
     digest = hashlib.sha256()
-    total = 0.0
-    for name, p in sorted(module.named_parameters()):
-        data = p.detach().cpu().contiguous()
+    for name, t in sorted(tensors):
         digest.update(name.encode())
-        digest.update(data.numpy().tobytes())
-        total += float(data.double().sum())
-    return digest.hexdigest(), total
+        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--no-rewrap", action="store_true", help="break DDP re-wrapping (the test's negative control)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    if args.no_rewrap:
-        GrowUntilSaturated._rewrap_ddp = staticmethod(lambda trainer: None)
+class Snapshot(L.Callback):
+    """Before the grower (hooks run in list order): the state the first check sees."""
 
+    def __init__(self, out: str, same_buffers: bool):
+        self.out, self.same_buffers = out, same_buffers
+        self.info: dict = {}
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch != 0:
+            return
+        self.info["buffers_differ_before_check"] = self._buffers_differ(pl_module)
+        if self.same_buffers:
+            for buffer in pl_module.buffers():
+                torch.distributed.broadcast(buffer, 0)
+        self.info["params_before_check"] = checksum(pl_module.named_parameters())
+        self.info["buffers_before_check"] = checksum(pl_module.named_buffers())
+        if trainer.global_rank == 0:
+            torch.save(pl_module.state_dict(), os.path.join(self.out, "pre_check.pt"))
+
+
+    @staticmethod
+    def _buffers_differ(pl_module) -> bool:
+        flat = torch.cat([b.detach().double().flatten() for b in pl_module.buffers()])
+        low, high = flat.clone(), flat.clone()
+        torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
+        torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX)
+        return bool((low != high).any())
+
+
+class AfterCheck(L.Callback):
+    """After the grower: the block the first check inserted, on this rank."""
+
+    def __init__(self, out: str):
+        self.out = out
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        blocks = grown_blocks(pl_module.network)
+        if trainer.current_epoch == 0 and blocks:
+            torch.save(blocks[0].state_dict(), os.path.join(self.out, f"inserted{trainer.global_rank}.pt"))
+
+
+def fit(out: str, epochs: int, same_buffers: bool) -> None:
+    os.makedirs(out, exist_ok=True)
     L.seed_everything(0)
     data = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=400, synthetic_classes=4,
                            probe_size=91, val_size=10, batch_size=32, augment=False)  # fmt: skip
     module = ImageClassifier(width=4, num_classes=4)
     # cross-fit rule (its A/B split all-reduces mid-pass); 91 probe samples: shards of 46 and 45.
-    # The untrained net grows at epochs 0 and 1 (lower bounds far above δ = 0); epoch 2 meets max_growths.
-    grow = GrowUntilSaturated(monitor=None, rule="crossfit", max_growths=2, verbose=False)
-    trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=args.epochs, callbacks=[grow],
+    # One growth at most, so the second check (end of epoch 1) meets the budget without probing.
+    grow = GrowUntilSaturated(monitor=None, rule="crossfit", max_growths=1, every_n_epochs=1, verbose=False)
+    snapshot = Snapshot(out, same_buffers)
+    trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=epochs,
+                        callbacks=[snapshot, grow, AfterCheck(out)],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, default_root_dir=args.out)  # fmt: skip
+                        enable_model_summary=False, limit_val_batches=0, default_root_dir=out)  # fmt: skip
     trainer.fit(module, data)
 
     rank = trainer.global_rank
-    digest, total = parameter_checksum(module)
     shard = grow._probe_loader(trainer)
     result = {
         "rank": rank,
@@ -67,13 +108,33 @@ def main() -> None:
         "history": grow.history,
         "growth_log": module.network.growth_log,
         "param_groups": [g.get("name") for g in trainer.optimizers[0].param_groups],
-        "probe_shard": len(shard.sampler),
-        "checksum": digest,
-        "param_sum": total,
+        "probe_shard": [int(i) for i in shard.sampler],
+        "probe_batch_size": shard.batch_size,
+        "checksum": checksum(module.named_parameters()),
+        **snapshot.info,
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--same-buffers", action="store_true", help="rank 0's buffers on every rank before the check")
+    parser.add_argument("--no-rewrap", action="store_true", help="break DDP re-wrapping (the test's negative control)")
+    parser.add_argument("--then-no-rewrap", metavar="OUT",
+                        help="afterwards, in the same processes, the --no-rewrap fit into OUT (saves a launch)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    real_rewrap = GrowUntilSaturated._rewrap_ddp
+    if args.no_rewrap:
+        GrowUntilSaturated._rewrap_ddp = staticmethod(lambda trainer: None)
+    fit(args.out, args.epochs, args.same_buffers)
+    if args.then_no_rewrap:
+        GrowUntilSaturated._rewrap_ddp = staticmethod(lambda trainer: None)
+        fit(args.then_no_rewrap, args.epochs, args.same_buffers)
+        GrowUntilSaturated._rewrap_ddp = real_rewrap
 
 
 if __name__ == "__main__":
