@@ -49,6 +49,15 @@ def test_growth_callbacks_finds_only_growth_callbacks():
     from growtrain import GrowUntilSaturated
     from growtrain.callbacks import growth_callbacks
 
-    grow = GrowUntilSaturated()
+    grow = GrowUntilSaturated(monitor=None)
     assert growth_callbacks([EarlyStopping(monitor="x"), grow]) == [grow]
     assert growth_callbacks(grow) == [grow] and growth_callbacks(None) == []
+
+
+def test_chen_qin_names_say_where_they_went():
+    import growtrain.crossfit
+
+    with pytest.raises(AttributeError, match="chen_qin_test moved to bench/chen_qin.py"):
+        growtrain.crossfit.chen_qin_test  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        growtrain.crossfit.nope  # noqa: B018
