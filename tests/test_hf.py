@@ -250,6 +250,16 @@ def test_hf_causal_lm_refuses_a_missing_or_remote_model_path(tmp_path):
         HFCausalLM()
 
 
+def test_hf_causal_lm_refuses_data_with_a_larger_vocabulary_before_training(quiet_trainer_kwargs):
+    import lightning as L
+
+    from growtrain.hf import HFCausalLM
+
+    module = HFCausalLM(model=tiny_model("llama"))  # vocabulary 64; byte tokens need 256
+    with pytest.raises(ValueError, match="vocab_size: the datamodule's tokenizer has 256 tokens .* 64"):
+        L.Trainer(max_epochs=1, **quiet_trainer_kwargs).fit(module, datamodule=_text_data())
+
+
 def test_measure_cli_scores_a_local_hf_model_directory(llama_dir, tmp_path):
     from growtrain.cli import GrowtrainCLI
 

@@ -28,19 +28,15 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from growtrain.hf.adapter import growable
-from growtrain.lm import LanguageModel, gpt2_adamw, token_cross_entropy
+from growtrain.lm import gpt2_adamw, token_cross_entropy
 from growtrain.module import ConfiguredOptimizerMixin, GrowableModuleMixin, SharedStepsMixin
 
-try:  # the perplexity metric that LanguageModel._shared_step (reused below) updates
-    from growtrain.lm import ExpMean as _Perplexity
+class _ExpMean(MeanMetric):
+    """``exp`` of the token-weighted mean loss: the epoch's perplexity."""
 
-    _METRIC_KW = {"nan_strategy": "disable"}
-except ImportError:  # pragma: no cover - older growtrain.lm
-    from torchmetrics.text import Perplexity as _Perplexity
+    def compute(self) -> torch.Tensor:
+        return super().compute().exp()
 
-    _METRIC_KW = {}
-
-__all__ = ["HFCausalLM", "load_local"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -115,17 +111,34 @@ class HFCausalLM(GrowableModuleMixin, ConfiguredOptimizerMixin, SharedStepsMixin
         self.network = growable(model.train(), allow_frozen=allow_frozen)
         self.metrics = nn.ModuleDict()
         for stage in ("train", "val", "test"):
-            self.metrics[f"{stage}_loss"] = MeanMetric(**_METRIC_KW)
-            self.metrics[f"{stage}_ppl"] = _Perplexity(**_METRIC_KW)
+            # nan_strategy="disable": NaN screening would read a device value on the host every step.
+            self.metrics[f"{stage}_loss"] = MeanMetric(nan_strategy="disable")
+            self.metrics[f"{stage}_ppl"] = _ExpMean(nan_strategy="disable")
 
     probe_loss = staticmethod(token_cross_entropy)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.network(idx)  # (B, T, vocab)
 
-    # The same step and vocabulary check as the project's own decoder.
-    _shared_step = LanguageModel._shared_step
-    setup = LanguageModel.setup
+    def _shared_step(self, batch, stage: str) -> torch.Tensor:
+        x, y = batch  # (B, T), (B, T)
+        loss = token_cross_entropy(self(x), y)
+        tokens = torch.full_like(loss.detach(), y.numel(), dtype=torch.float32)  # made on the device
+        self.metrics[f"{stage}_loss"].update(loss.detach(), weight=tokens)
+        self.metrics[f"{stage}_ppl"].update(loss.detach(), weight=tokens)
+        self.log(f"{stage}_loss", self.metrics[f"{stage}_loss"], on_step=False, on_epoch=True, prog_bar=True)
+        self.log(f"{stage}_ppl", self.metrics[f"{stage}_ppl"], on_step=False, on_epoch=True)
+        return loss
+
+    def setup(self, stage: str) -> None:
+        # A token id ≥ the model's vocabulary would index past the embedding: fail before training.
+        data_vocab = getattr(getattr(self.trainer, "datamodule", None), "vocab_size", None)
+        model_vocab = self.network.config.vocab_size
+        if data_vocab is not None and data_vocab > model_vocab:
+            raise ValueError(
+                f"vocab_size: the datamodule's tokenizer has {data_vocab} tokens but the model's embedding has "
+                f"{model_vocab}; tokenize with the model's own tokenizer (HFTextDataModule tokenizer=<model dir>)"
+            )
 
     def save_pretrained(self, path: str, **kwargs) -> None:
         """Write the (grown) model as a plain Hugging Face checkpoint directory."""
