@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import random
+
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +21,31 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_random_state():
+    """Every test starts from the same global random state and leaves none behind.
+
+    A test that draws from the global generators (``torch.randn`` without ``generator=``,
+    ``random``, ``numpy.random``) would otherwise see whatever earlier tests consumed, so its
+    numbers would depend on which tests ran before it. ``lightning.seed_everything`` also sets
+    ``PL_GLOBAL_SEED``/``PL_SEED_WORKERS`` in the environment; those are restored too.
+    """
+    py_state, np_state = random.getstate(), np.random.get_state()
+    env = {k: os.environ.get(k) for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        random.seed(0)
+        np.random.seed(0)
+        yield
+    random.setstate(py_state)
+    np.random.set_state(np_state)
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CI = ROOT / ".ci" / "run"
@@ -73,3 +74,28 @@ def test_ci_fails_when_the_tests_fail(tmp_path, pytest_rc):
     assert calls[1:] == ["pip install torch==2.13.0", "pip install -e .[dev]", "python -m pytest -q"]
     # the temporary environment is removed afterwards
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("growtrain-ci.")]
+
+
+# -- no global state leaks between tests (conftest fixtures) -----------------------------------
+_LEAK: dict = {}
+
+
+def test_isolation_a_consumes_global_state():
+    import lightning as L
+
+    _LEAK["first_draw"] = torch.rand(1).item()
+    _LEAK["env"] = os.environ.get("PL_GLOBAL_SEED")
+    _LEAK["threads"] = torch.get_num_threads()
+    torch.rand(100)  # consume the global generator
+    torch.set_num_threads(2)
+    L.seed_everything(123)
+
+
+def test_isolation_b_sees_a_fresh_state():
+    """Runs after test_isolation_a (file order): it starts from the same random state, thread
+    count and environment as if test_isolation_a had never run."""
+    if "first_draw" not in _LEAK:
+        pytest.skip("needs test_isolation_a_consumes_global_state to run first")
+    assert torch.rand(1).item() == _LEAK["first_draw"]
+    assert torch.get_num_threads() == _LEAK["threads"]
+    assert os.environ.get("PL_GLOBAL_SEED") == _LEAK["env"]
