@@ -20,6 +20,8 @@ What it checks (one JSON, keys in brackets):
 [retained]   memory held after N repeated ``measure_saturation`` calls on one network
              (``memory_allocated`` before/after, CUDA) and probe activations still alive
              (weak references, any device). Target: 0.
+[bad_input]  probe batches on the host for a network on the device are moved (same report as
+             batches on the device); a network split across two devices is refused by name.
 [throughput] step time of a Lightning fit vs a plain PyTorch loop, quickstart network (ResNet-8
              width 16, batch 128, the same batches already on the device, SGD), median of 3
              interleaved repeats; and host synchronisations per Lightning step
@@ -103,6 +105,17 @@ def measured(fn, device: torch.device) -> tuple[float, int | None]:
 
 
 # -- (a) fit in two precisions, checkpoint reload ----------------------------------------------------
+class WhereAtEnd(L.Callback):
+    """Devices of all parameters and dtypes of the grown blocks' parameters when training ends
+    (Lightning moves the module back to the CPU afterwards)."""
+
+    def on_train_end(self, trainer, pl_module):
+        from growtrain import grown_blocks
+
+        self.devices = sorted({str(p.device) for p in pl_module.parameters()})
+        self.grown_dtypes = sorted({str(p.dtype) for b in grown_blocks(pl_module.network) for p in b.parameters()})
+
+
 def fit_check(args, device, precision: str, root: Path) -> dict:
     L.seed_everything(0, verbose=False)
     size, width = (8, 4) if args.quick else (32, 16)
@@ -115,8 +128,9 @@ def fit_check(args, device, precision: str, root: Path) -> dict:
     if "min_stage_epochs" in inspect.signature(GrowUntilSaturated).parameters:
         options["min_stage_epochs"] = 1  # check after every epoch
     grow = GrowUntilSaturated(**options)
+    where = WhereAtEnd()
     trainer = L.Trainer(accelerator=args.accelerator, devices=1, precision=precision, max_epochs=3,
-                        callbacks=[grow], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        callbacks=[grow, where], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=root,
                         limit_train_batches=2 if args.quick else 1.0, limit_val_batches=2)  # fmt: skip
     start = time.perf_counter()
@@ -144,7 +158,9 @@ def fit_check(args, device, precision: str, root: Path) -> dict:
         "reloaded_depth": reloaded.network.depth(),
         "reload_max_abs_diff": diff,
         "reload_identical": diff == 0.0 and reloaded.network.depth() == module.network.depth(),
-        "on_device": all(p.device.type == device.type for p in module.parameters()),
+        # Where the (grown) network lived at the end of the fit, before Lightning's teardown.
+        "param_devices": where.devices,
+        "grown_block_dtypes": where.grown_dtypes,
         "fit_seconds": round(seconds, 2),
         "probe_seconds": round(grow.probe_seconds, 3),
     }
@@ -274,6 +290,29 @@ def retained_section(args, device) -> dict:
     return out
 
 
+# -- bad input: batches elsewhere are moved, a split network is refused ----------------------------
+def bad_input_section(args, device) -> dict:
+    torch.manual_seed(0)
+    net = cifar_resnet((1, 1, 1), width=4, family="preact").to(device)
+    host = image_batches(32, 16, 8, torch.device("cpu"))
+    on_device = [(x.to(device), y.to(device)) for x, y in host]
+    a = measure_saturation(net, host, F.cross_entropy, rule="paper")
+    b = measure_saturation(net, on_device, F.cross_entropy, rule="paper")
+    other = "cpu" if device.type == "cuda" else "meta"
+    net.layer3.to(other)
+    try:
+        measure_saturation(net, on_device, F.cross_entropy)
+        split_error = None
+    except ValueError as error:
+        split_error = str(error)
+    return {
+        # (a tolerance: GPU reductions need not be bitwise reproducible between calls)
+        "host_batches_moved": a.n == b.n and abs(a.gamma - b.gamma) <= 1e-5 * max(abs(b.gamma), 1e-12),
+        "split_network_error": split_error,
+        "split_error_names_both": split_error is not None and str(device) in split_error and other in split_error,
+    }
+
+
 # -- (d) Lightning vs a plain loop -----------------------------------------------------------------
 class DeviceBatches:
     """The same pre-made batches (already on the device) for both arms, re-iterable."""
@@ -387,7 +426,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--probe-batch", type=int, default=None, help="probe/training batch (default 256; quick 16)")
     parser.add_argument("--budget", type=float, default=280.0, help="seconds; later sections are skipped past it")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on a CPU (the smoke test)")
-    parser.add_argument("--only", nargs="*", default=["fit", "probe", "retained", "throughput"])
+    parser.add_argument("--only", nargs="*", default=["fit", "probe", "retained", "bad_input", "throughput"])
     args = parser.parse_args(argv)
     args.start = time.perf_counter()
     device = torch.device(args.device)
@@ -432,6 +471,7 @@ def _run_sections(args, device, result: dict) -> None:
             ("fit", lambda: {p: fit_check(args, device, p, root) for p in ("32-true", "bf16-mixed")}),
             ("probe", lambda: probe_section(args, device)),
             ("retained", lambda: retained_section(args, device)),
+            ("bad_input", lambda: bad_input_section(args, device)),
             ("throughput", lambda: throughput_section(args, device, root)),
         ]
         for name, run in sections:
@@ -468,6 +508,10 @@ def summary(result: dict) -> None:
         mem = "" if per_call is None else f", {per_call / 2**20:.2f} MiB retained per call"
         print(f"  retained {rule:9s}: {r['leaked_tensors']} of {r['recorded_activations']} probe activations alive "
               f"after {r['calls']} calls{mem}")  # fmt: skip
+    if "bad_input" in result:
+        bad = result["bad_input"]
+        print(f"  bad input: host batches moved {bad['host_batches_moved']}, split network refused naming both "
+              f"devices {bad['split_error_names_both']}")  # fmt: skip
     if "throughput" in result:
         t = result["throughput"]
         syncs = f", {t['host_syncs_per_step']} host syncs per step" if "host_syncs_per_step" in t else ""

@@ -22,10 +22,9 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 from torch.nn import functional as F
-from torchmetrics import MeanMetric
 
 from growtrain.models.gpt import GPT, GPTConfig
-from growtrain.module import ConfiguredOptimizerMixin, GrowableModuleMixin, SharedStepsMixin
+from growtrain.module import ConfiguredOptimizerMixin, GrowableModuleMixin, SharedStepsMixin, WeightedMean
 
 __all__ = ["ExpMean", "LanguageModel", "gpt2_adamw", "token_cross_entropy"]
 
@@ -38,7 +37,7 @@ def gpt2_adamw(params: Iterable) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=2.5e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-class ExpMean(MeanMetric):
+class ExpMean(WeightedMean):
     """``exp`` of a weighted mean: perplexity from token-mean losses weighted by token counts.
 
     ``exp(Σ_b n_b L_b / Σ_b n_b)`` with ``L_b`` a batch's token-mean cross-entropy and ``n_b``
@@ -110,9 +109,9 @@ class LanguageModel(GrowableModuleMixin, ConfiguredOptimizerMixin, SharedStepsMi
         self.network = network
         self.metrics = nn.ModuleDict()
         for stage in ("train", "val", "test"):
-            # nan_strategy="disable": NaN screening reads a device value on the host every step.
-            self.metrics[f"{stage}_loss"] = MeanMetric(nan_strategy="disable")
-            self.metrics[f"{stage}_ppl"] = ExpMean(nan_strategy="disable")
+            # WeightedMean, not torchmetrics' MeanMetric: no host read per step (see WeightedMean).
+            self.metrics[f"{stage}_loss"] = WeightedMean()
+            self.metrics[f"{stage}_ppl"] = ExpMean()
 
     # The growth callback finds the probe loss here (ImageClassifier has the same method).
     probe_loss = staticmethod(token_cross_entropy)

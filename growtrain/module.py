@@ -17,14 +17,14 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 from torch.nn import functional as F
 from torch.optim.lr_scheduler import ReduceLROnPlateau
-from torchmetrics import MeanMetric
+from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 
 from growtrain.growable import replay_growth, resolve_network
 from growtrain.models import cifar_resnet
 from growtrain.optim import param_groups, paper_sgd
 
-__all__ = ["ConfiguredOptimizerMixin", "GrowableModuleMixin", "ImageClassifier", "SharedStepsMixin"]
+__all__ = ["ConfiguredOptimizerMixin", "GrowableModuleMixin", "ImageClassifier", "SharedStepsMixin", "WeightedMean"]
 
 _ARCHS = {"cifar_resnet": cifar_resnet}
 _PLAIN = (str, int, float, bool, type(None))
@@ -44,6 +44,31 @@ def _check_plain(value: Any, where: str) -> None:
             f"{where}: growth records must be plain data (dict/list/str/int/float/bool/None) so that "
             f"checkpoints load with weights_only=True; got {type(value).__name__}. Store names, not objects."
         )
+
+
+class WeightedMean(Metric):
+    """``Σ w·x / Σ w`` over an epoch (summed over ranks), with no host read in ``update``.
+
+    Why not ``torchmetrics.MeanMetric``: its ``update`` screens every value for NaN with a
+    Python ``if`` on a device tensor (a host synchronisation per step on a GPU), and with
+    ``nan_strategy="disable"`` it drops the weights. Here a NaN value makes the mean NaN.
+    """
+
+    full_state_update = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("weight", default=torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, value: torch.Tensor, weight: torch.Tensor) -> None:
+        """``value`` and ``weight``: tensors on the metric's device (a Python number would be
+        copied there, itself a synchronising transfer)."""
+        self.total += (value.detach().to(self.total.dtype) * weight).sum()
+        self.weight += weight.to(self.weight.dtype).sum()
+
+    def compute(self) -> torch.Tensor:
+        return self.total / self.weight
 
 
 class GrowableModuleMixin:
@@ -205,9 +230,9 @@ class ImageClassifier(GrowableModuleMixin, ConfiguredOptimizerMixin, SharedSteps
         self.metrics = nn.ModuleDict()
         for stage in ("train", "val", "test"):
             # No per-step checks that read device values on the host (a sync per step on a GPU):
-            # NaN screening (a NaN loss now makes the epoch mean NaN instead of being dropped
-            # with a warning) and label validation (cross_entropy already rejects bad labels).
-            self.metrics[f"{stage}_loss"] = MeanMetric(nan_strategy="disable")
+            # no NaN screening (a NaN loss makes the epoch mean NaN instead of being dropped with
+            # a warning) and no label validation (cross_entropy already rejects bad labels).
+            self.metrics[f"{stage}_loss"] = WeightedMean()
             # micro average = plain accuracy (torchmetrics' default is macro)
             self.metrics[f"{stage}_acc"] = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
 

@@ -170,9 +170,11 @@ def test_gpu_bench_runs_on_cpu_quick(tmp_path, capsys):
     assert "throughput: Lightning" in capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["quick"] is True
-    for key in ("fit", "probe", "retained", "throughput"):
+    for key in ("fit", "probe", "retained", "bad_input", "throughput"):
         assert key in result, key
     assert all(run["grew"] >= 1 and run["reload_identical"] for run in result["fit"].values())
+    assert all(run["param_devices"] == ["cpu"] for run in result["fit"].values())
+    assert result["bad_input"]["host_batches_moved"] and result["bad_input"]["split_error_names_both"]
     assert result["retained"]["paper"]["leaked_tensors"] == 0
     assert result["retained"]["crossfit"]["leaked_tensors"] == 0
     for row in result["probe"]:
@@ -222,18 +224,28 @@ def test_a_step_reads_no_device_value_on_the_host(kind):
     gen = torch.Generator().manual_seed(0)
     if kind == "image":
         module = _image_module()
-        batch = (torch.randn(6, 1, 8, 8, generator=gen), torch.randint(0, 3, (6,), generator=gen))
+        batches = [(torch.randn(b, 1, 8, 8, generator=gen), torch.randint(0, 3, (b,), generator=gen)) for b in (6, 2)]
     else:
         module = _language_module()
-        tokens = torch.randint(0, 16, (4, 9), generator=gen)
-        batch = (tokens[:, :-1], tokens[:, 1:])
+        batches = [(t[:, :-1], t[:, 1:]) for t in (torch.randint(0, 16, (b, 9), generator=gen) for b in (4, 1))]
     module.log = lambda *args, **kwargs: None  # no Trainer here: logging is Lightning's (checked below)
+    module.eval()  # BatchNorm on running statistics, so the recomputation below sees the same outputs
     for stage in ("train", "val"):
-        with HostReads() as reads:
-            module._shared_step(batch, stage)
-        assert reads.ops == [], (stage, reads.ops)
-    loss_metric = module.metrics["train_loss"]  # and the epoch value is still the sample-weighted mean
-    assert torch.allclose(loss_metric.compute(), module._shared_step(batch, "val").detach(), rtol=1e-6)
+        for batch in batches:
+            with HostReads() as reads:
+                module._shared_step(batch, stage)
+            assert reads.ops == [], (stage, reads.ops)
+    # The epoch loss is still the sample- (token-) weighted mean over batches of unequal size,
+    # recomputed here with plain cross-entropy sums over all samples (tokens) at once.
+    with torch.no_grad():
+        logits = [module(x) for x, _ in batches]
+        flat = torch.cat([lg.reshape(-1, lg.shape[-1]) for lg in logits])
+        target = torch.cat([y.reshape(-1) for _, y in batches])
+        want = torch.nn.functional.cross_entropy(flat, target, reduction="sum") / target.numel()
+    got = module.metrics["val_loss"].compute()
+    assert torch.allclose(got, want, rtol=1e-5), (got, want)
+    if kind == "language":  # perplexity = exp of that mean, as torchmetrics' Perplexity defines it
+        assert torch.allclose(module.metrics["val_ppl"].compute(), want.exp(), rtol=1e-5)
 
 
 def test_progress_bar_loss_is_a_host_copy_refreshed_every_log_every_n_steps(tmp_path):
