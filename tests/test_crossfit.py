@@ -259,7 +259,14 @@ def test_repeated_checks_on_one_probe_set_with_alpha_spending():
 
 
 def test_planted_power_crossfit_beats_paper():
-    """A signal the paper's rule cannot see: ‖g‖ = 2 standard errors of ĝ (x = ‖g‖√n/σ = 2)."""
+    """A signal the paper's rule cannot see: ‖g‖ = 2 standard errors of ĝ (x = ‖g‖√n/σ = 2).
+
+    The thresholds follow from the setup (σ² = p = 24, n = 120, K = 3, α = 0.05):
+    paper: t = sqrt(Σ_l σ̂²_l/(nα)) ≈ sqrt(72/6) ≈ 3.5, while Γ̂ ≈ sqrt(‖g‖² + p/n) ≈ 1, so it
+    essentially never grows (< 0.05);
+    cross-fit normal: u from A (n_a = 60) has cos(u, g) ≈ ‖g‖/sqrt(‖g‖² + p/n_a) ≈ 0.82, so
+    E s̄ ≈ 0.73 with sd 1/√60: z ≈ 5.6 against z_{1−α/K} ≈ 2.1, power ≈ Φ(3.5) > 0.99 (> 0.9
+    asserted); Chen–Qin: the debiased ‖ĝ‖² ≈ 0.8 against sd sqrt(2p/(n(n−1))) ≈ 0.06, power ≈ 1."""
     draws, K, n, p = 500, 3, 120, 24
     scales = torch.ones(p, dtype=torch.float64)
     sigma = math.sqrt(p)  # σ² = tr Σ
