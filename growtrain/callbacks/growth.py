@@ -26,7 +26,6 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from growtrain import decision as dec
@@ -35,7 +34,8 @@ from growtrain.callbacks.growth_config import GrowthConfig
 from growtrain.callbacks.probe_data import (
     ProbeView, check_split_indices, datasets_of, eval_output, first_input, loaders_of, probe_overlap, shard_loader,
 )  # fmt: skip
-from growtrain.growable import find_growable, grown_blocks
+from growtrain.batches import to_device
+from growtrain.growable import grown_blocks, probe_loss_for, resolve_network
 from growtrain.reconfigure import reconfigure_optimizer, restart_schedulers
 from growtrain.saturation import SaturationReport, measure_saturation
 
@@ -52,28 +52,6 @@ _UNSUPPORTED_STRATEGIES = {
 
 class FunctionChangedError(RuntimeError):
     """An inserted block changed the network's output: the insertion was rolled back."""
-
-
-def _to(obj: Any, device: torch.device) -> Any:
-    from growtrain.saturation import _to_device
-
-    return _to_device(obj, device)
-
-
-def _undo_growth(network: nn.Module, blocks: Sequence[nn.Module], log_len: int) -> None:
-    """Roll back an insertion: the network's own ``undo_growth`` when it has one."""
-    undo = getattr(network, "undo_growth", None)
-    if callable(undo):
-        undo(blocks, log_len)
-        return
-    for block in reversed(list(blocks)):  # a user's network without the method (GrowableMixin has it)
-        for module in network.modules():
-            if isinstance(module, (nn.ModuleList, nn.Sequential)):
-                hit = [i for i, m in enumerate(module) if m is block]
-                if hit:
-                    del module[hit[0]]
-                    break
-    del network.growth_log[log_len:]
 
 
 def _insertion_order(names: Sequence[str]) -> list[str]:
@@ -318,36 +296,10 @@ class GrowUntilSaturated(Callback):
         return any(getattr(cls, hook) is not getattr(LightningModule, hook) for hook in ("configure_model", "setup"))
 
     def _resolve_network(self, pl_module: LightningModule, required: bool) -> nn.Module | None:
-        import growtrain.growable as growable
-
-        resolve = getattr(growable, "resolve_network", None)
-        if resolve is not None:  # the one resolver (growable.py)
-            return resolve(pl_module, self.network_spec, required=required)
-        spec = self.network_spec
-        if isinstance(spec, nn.Module):
-            if not any(m is spec for m in pl_module.modules()):
-                raise ValueError(
-                    "network: the given module is not part of the LightningModule, so the optimizer would not "
-                    "train it. Fix: pass the attribute path instead, e.g. network='network'."
-                )
-            return spec
-        if isinstance(spec, str):
-            try:
-                return pl_module.get_submodule(spec)
-            except AttributeError:
-                if not required:
-                    return None
-                raise ValueError(f"network: {type(pl_module).__name__} has no submodule {spec!r}.") from None
-        network = find_growable(pl_module)
-        if network is None and required:
-            raise ValueError(f"network: {type(pl_module).__name__} has no growable submodule (sites() and grow()).")
-        return network
+        return resolve_network(pl_module, self.network_spec, required=required)
 
     def _resolve_loss(self, pl_module: LightningModule) -> Callable:
-        if self.loss_fn is not None:
-            return self.loss_fn
-        probe_loss = getattr(pl_module, "probe_loss", None)
-        return probe_loss if callable(probe_loss) else F.cross_entropy
+        return probe_loss_for(pl_module, self.loss_fn)
 
     def _probe_loader(self, trainer: Trainer) -> Any:
         source = self.probe
@@ -541,7 +493,7 @@ class GrowUntilSaturated(Callback):
         """Insert the scored candidates, verify the output, then reconfigure optimizer and DDP."""
         device = next(network.parameters()).device
         view = ProbeView(pl_module, network)
-        x = _to(first_input(self._probe_loader(trainer)), device)
+        x = to_device(first_input(self._probe_loader(trainer)), device)
         before = eval_output(view, x)
         log_len = len(network.growth_log)
         inserted: list[nn.Module] = []
@@ -559,7 +511,7 @@ class GrowUntilSaturated(Callback):
                     "that the site's input is in the block's identity regime (e.g. z ≥ 0 for 'basic' blocks)."
                 )
         except BaseException:
-            _undo_growth(network, inserted, log_len)
+            network.undo_growth(inserted, log_len)  # the contract's rollback (resolve_network checked it)
             raise
         ks = list(range(log_len, log_len + len(inserted)))
         blocks_in_k_order = [b for b in grown_blocks(network) if any(b is i for i in inserted)] or inserted
