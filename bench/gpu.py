@@ -182,11 +182,12 @@ def probe_ratios(name, net, batches, loss_fn, device, args, autocast_dtype=None)
     bn_state = copy.deepcopy(net.state_dict())  # the training passes move BN running statistics
     train = {"time": [], "mem": []}
     probe = {v: {"time": [], "mem": [], "error": None} for v in variants}
-    for _ in range(args.repeats):
+    for repeat in range(0 if args.quick else -1, args.repeats):  # -1: an untimed warm-up (CUDA, cuDNN)
         seconds, peak = measured(lambda: train_pass(net, batches, loss_fn, autocast_dtype, device), device)
         net.load_state_dict(bn_state)
-        train["time"].append(seconds)
-        train["mem"].append(peak)
+        if repeat >= 0:
+            train["time"].append(seconds)
+            train["mem"].append(peak)
         for rule, projected in variants:
             if probe[(rule, projected)]["error"]:
                 continue
@@ -197,8 +198,9 @@ def probe_ratios(name, net, batches, loss_fn, device, args, autocast_dtype=None)
             except Exception as error:  # report it, keep measuring the others
                 probe[(rule, projected)]["error"] = f"{type(error).__name__}: {error}"[:300]
                 continue
-            probe[(rule, projected)]["time"].append(seconds)
-            probe[(rule, projected)]["mem"].append(peak)
+            if repeat >= 0:
+                probe[(rule, projected)]["time"].append(seconds)
+                probe[(rule, projected)]["mem"].append(peak)
     t_train = statistics.median(train["time"])
     m_train = statistics.median(train["mem"]) if train["mem"][0] is not None else None
     for (rule, projected), p in probe.items():

@@ -52,7 +52,7 @@ def default_device_meta():
 
 
 # -- nothing takes the default device ----------------------------------------------------------
-@pytest.mark.parametrize("rule", ["paper", "crossfit"])
+@pytest.mark.parametrize("rule", saturation.RULES)
 def test_probe_ignores_the_default_device(rule):
     net, batches = _net(), H.probe_batches("preact", n=20, batch=8)
     want = measure_saturation(net, batches, H.loss_fn, rule=rule, seed=3).to_dict()
