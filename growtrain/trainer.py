@@ -94,11 +94,16 @@ class GrowTrainer(BaseGrowTrainer):
         labels: Optional[list[str]] = None,
         output_dir: Optional[str] = None,
         resume: bool = True,
+        keep_epoch_weights: bool = False,
     ):
-        """Growth vs Scratch: grow, then train the same final architecture from random init.
+        """Growth vs Scratch at convergence: grow, then train the same final architecture from random init.
+
+        Every arm trains to the configured ``TrainLossEarlyStopping`` or the ``max_epochs`` cap
+        (reported per arm when it binds); see ``growtrain.experiments.compare`` for the protocol.
 
         Args:
-            seeds: one Growth, Scratch (and compute-matched) training per seed; tables show mean ± std.
+            seeds: paired replicates: both arms of a seed see the same split and data order; tables
+                show mean ± sd and the mean paired difference with a 95 % t-interval.
             depths: Table mode (the paper's Table 1 protocol): final depths, as values of the
                 model's depth hyper-parameter (``depth_kwarg``). Each is reached by training
                 depth−1 to convergence and inserting one zero-output block. ``None``: grow with
@@ -108,10 +113,13 @@ class GrowTrainer(BaseGrowTrainer):
             insert_at: Table mode: where the block goes: ``best`` (the probe's top site) or
                 ``cyclic`` (the stage the cyclic depth rule would extend: the paper's architectures).
             max_growths: cap on growth events (continuous mode).
-            compute_matched: also train Scratch with the Growth arm's total FLOPs budget.
+            compute_matched: also train Scratch with the Growth arm's total FLOPs budget, its
+                schedule stretched onto that budget (unsupported schedulers are refused up front).
             labels: row names for ``depths`` (e.g. ``ResNet-10``), same length.
             output_dir: results (runs.jsonl, compare.md/.csv/.json); default ``<default_root_dir>/compare``.
             resume: skip (depth, seed, arm) rows already in ``output_dir/runs.jsonl``.
+            keep_epoch_weights: keep the per-epoch weights (``output_dir/epochs``) after the
+                equal-train-loss lookup has used them.
         """
         out = self._experiment_dir("compare", output_dir)
         result = run_compare(
@@ -127,6 +135,7 @@ class GrowTrainer(BaseGrowTrainer):
             labels=labels,
             output_dir=out,
             resume=resume,
+            keep_epoch_weights=keep_epoch_weights,
         )
         self._show(result.table())
         return result
@@ -224,6 +233,7 @@ class GrowTrainer(BaseGrowTrainer):
         resume: bool = True,
         skip_scratch: bool = False,
         skip_growth: bool = False,
+        train: bool = True,
     ):
         """Growth until saturated beside a from-scratch depth sweep under one stopping rule.
 
@@ -240,11 +250,13 @@ class GrowTrainer(BaseGrowTrainer):
             resume: skip rows already in ``output_dir/runs.jsonl``.
             skip_scratch: only the growth runs (e.g. a control that changes the data or τ).
             skip_growth: only the scratch sweep (e.g. in a second process beside the growth runs).
+            train: ``false`` summarises the rows already in ``runs.jsonl`` without training.
         """
         out = self._experiment_dir("stopping", output_dir)
         result = run_stopping(
             model, datamodule, trainer_kwargs=self.init_kwargs, depths=depths, seeds=seeds, depth_kwarg=depth_kwarg,
             output_dir=out, resume=resume, skip_scratch=skip_scratch, skip_growth=skip_growth,
+            train=train,
         )  # fmt: skip
         self._show(result.table())
         return result

@@ -72,6 +72,9 @@ def test_stopping_experiment_rows_resume_and_summary(tmp_path):
     assert (tmp_path / "stopping.png").stat().st_size > 0
     again = run_stopping(model, tiny_dm(), trainer_kwargs=kwargs, depths=[0, 1], seeds=[0], output_dir=tmp_path)
     assert again.growth[0]["wall_s"] == growth["wall_s"]  # resumed from runs.jsonl, not retrained
+    partial = run_stopping(model, tiny_dm(), trainer_kwargs=kwargs, depths=[0, 1, 2], seeds=[0, 1], output_dir=tmp_path,
+                           train=False)  # fmt: skip
+    assert len(partial.growth) == 1 and {r["depth"] for r in partial.scratch} == {0, 1}  # summarised, nothing trained
 
 
 def test_stopping_experiment_refuses_an_unfinished_growth_arm(tmp_path):

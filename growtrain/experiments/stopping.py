@@ -140,8 +140,12 @@ def run_stopping(
     module_factory: ModuleFactory | None = None,
     skip_scratch: bool = False,
     skip_growth: bool = False,
+    train: bool = True,
 ) -> StoppingResult:
-    """Growth runs and a scratch sweep under one stopping rule; writes stopping.json/.md/.png."""
+    """Growth runs and a scratch sweep under one stopping rule; writes stopping.json/.md/.png.
+
+    ``train=False`` trains nothing: it summarises the rows already in ``runs.jsonl`` (e.g. while
+    other processes are still filling it)."""
     values = parse_depths(depths)
     name = resolve_depth_kwarg(model, depth_kwarg)
     prepare(datamodule, "stopping")
@@ -180,6 +184,8 @@ def run_stopping(
     for seed in seeds if not skip_growth else ():
         key = f"growth/{decision_key}/seed={seed}"
         row = log.get(key)
+        if row is None and not train:
+            continue
         if row is None:
             seed_everything(seed, workers=True, verbose=False)
             module = module_at_depth(model, start, name, module_factory)
@@ -193,6 +199,8 @@ def run_stopping(
         for value in values:
             key = f"scratch/{name}={value}/seed={seed}"
             row = log.get(key)
+            if row is None and not train:
+                continue
             if row is None:
                 seed_everything(seed, workers=True, verbose=False)
                 module = module_at_depth(model, value, name, module_factory)
