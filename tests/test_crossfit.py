@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-import sys
+import importlib.util
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,9 +35,21 @@ from growtrain.crossfit import (
 )
 from growtrain.saturation import calibrate_candidates, candidate_blocks, measure_saturation
 
+
+def _load_bench(name: str):
+    """A module of bench/ by file path: no sys.path change that would outlive this file."""
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # The Chen–Qin test is benchmark code (bench/chen_qin.py), not part of the library.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from chen_qin import chen_qin_test, debiased_norm_sq, trace_sq_estimate  # noqa: E402
+_chen_qin = _load_bench("chen_qin")
+chen_qin_test, debiased_norm_sq, trace_sq_estimate = (
+    _chen_qin.chen_qin_test, _chen_qin.debiased_norm_sq, _chen_qin.trace_sq_estimate
+)
 
 ALPHA = 0.05
 
