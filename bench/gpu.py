@@ -22,6 +22,8 @@ What it checks (one JSON, keys in brackets):
              (weak references, any device). Target: 0.
 [bad_input]  probe batches on the host for a network on the device are moved (same report as
              batches on the device); a network split across two devices is refused by name.
+[cli]        ``growtrain fit --config configs/quickstart.yaml`` and ``configs/gpt.yaml`` with
+             ``--trainer.accelerator=gpu`` in 32-true and bf16-mixed, shortened (not with --quick).
 [throughput] step time of a Lightning fit vs a plain PyTorch loop, quickstart network (ResNet-8
              width 16, batch 128, the same batches already on the device, SGD), median of 3
              interleaved repeats; and host synchronisations per Lightning step
@@ -38,6 +40,7 @@ import gc
 import inspect
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -418,6 +421,39 @@ def throughput_section(args, device, root: Path) -> dict:
     return result
 
 
+# -- (e) the CLI configs on the device -----------------------------------------------------------------
+CLI_RUNS = {
+    "quickstart": ("configs/quickstart.yaml", ["--trainer.max_epochs=4"]),
+    "gpt": ("configs/gpt.yaml", ["--trainer.max_epochs=2", "--trainer.limit_train_batches=20"]),
+}
+
+
+def cli_section(args, device, root: Path) -> dict:
+    """``growtrain fit --config ... --trainer.accelerator=<device>`` in 32-true and bf16-mixed,
+    shortened; each in a fresh process, so a section over the budget stops early."""
+    repo = Path(__file__).resolve().parents[1]
+    out = {}
+    for name, (config, extra) in CLI_RUNS.items():
+        for precision in ("32-true", "bf16-mixed"):
+            left = args.budget - (time.perf_counter() - args.start)
+            key = f"{name} {precision}"
+            if left < 20:
+                out[key] = {"skipped": "over the time budget"}
+                continue
+            command = [sys.executable, "-m", "growtrain.cli", "fit", "--config", str(repo / config),
+                       f"--trainer.accelerator={args.accelerator}", f"--trainer.precision={precision}",
+                       f"--trainer.default_root_dir={root / 'cli' / name / precision}", *extra]  # fmt: skip
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=left)
+                out[key] = {"returncode": proc.returncode, "seconds": round(time.perf_counter() - t0, 1)}
+                if proc.returncode != 0:
+                    out[key]["stderr_tail"] = proc.stderr[-1500:]
+            except subprocess.TimeoutExpired:
+                out[key] = {"returncode": None, "timeout_s": round(left, 1)}
+    return out
+
+
 # -- main -------------------------------------------------------------------------------------------
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -428,7 +464,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--probe-batch", type=int, default=None, help="probe/training batch (default 256; quick 16)")
     parser.add_argument("--budget", type=float, default=280.0, help="seconds; later sections are skipped past it")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on a CPU (the smoke test)")
-    parser.add_argument("--only", nargs="*", default=["fit", "probe", "retained", "bad_input", "throughput"])
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="sections to run (default: all; with --quick all but cli, which runs full configs)")
     args = parser.parse_args(argv)
     args.start = time.perf_counter()
     device = torch.device(args.device)
@@ -440,6 +477,8 @@ def main(argv=None) -> dict:
     args.probe_batch = args.probe_batch or (16 if args.quick else 256)
     if args.quick:
         args.repeats = min(args.repeats, 1)
+    if args.only is None:
+        args.only = ["fit", "probe", "retained", "bad_input", "throughput"] + ([] if args.quick else ["cli"])
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*isinstance.*LeafSpec.*")
 
@@ -475,6 +514,7 @@ def _run_sections(args, device, result: dict) -> None:
             ("retained", lambda: retained_section(args, device)),
             ("bad_input", lambda: bad_input_section(args, device)),
             ("throughput", lambda: throughput_section(args, device, root)),
+            ("cli", lambda: cli_section(args, device, root)),
         ]
         for name, run in sections:
             if name not in args.only:
@@ -519,6 +559,9 @@ def summary(result: dict) -> None:
         syncs = f", {t['host_syncs_per_step']} host syncs per step" if "host_syncs_per_step" in t else ""
         print(f"  throughput: Lightning {t['lightning_step_ms']} ms/step, plain {t['plain_step_ms']} ms/step, "
               f"ratio {t['throughput_ratio']} (target >= 0.85 on a GPU){syncs}")  # fmt: skip
+    for key, run in result.get("cli", {}).items():
+        print(f"  growtrain fit {key:22s}: {run}" if "stderr_tail" not in run else
+              f"  growtrain fit {key:22s}: FAILED (rc {run['returncode']}), stderr tail in the JSON")  # fmt: skip
     for note in result["notes"]:
         print(f"  note: {note}")
 
