@@ -374,3 +374,16 @@ def test_probe_under_bf16_autocast_agrees_with_float32():
     for a, b in zip(exact.sites, mixed.sites):
         assert b.grad_norm == pytest.approx(a.grad_norm, rel=0.05) and b.ag == pytest.approx(a.ag, rel=0.05)
         assert all(g.dtype == torch.float32 for g in b.grad)  # reported in the weights' dtype
+
+
+def test_undo_growth_restores_the_config_and_cache_indices():
+    """A rolled-back insertion (the callback's FunctionChangedError path) leaves the raw model
+    consistent at once: layer count in the config and every layer's KV-cache index."""
+    model = tiny_model("llama")
+    net = growable(model)
+    before = (model.config.num_hidden_layers, _layer_positions(net))
+    inserted = [net.grow("layers.1"), net.grow("layers.0")]
+    assert model.config.num_hidden_layers == before[0] + 2
+    net.undo_growth(inserted, 0)
+    assert (model.config.num_hidden_layers, _layer_positions(net)) == before
+    assert net.growth_log == []

@@ -332,6 +332,12 @@ class HFGrowable(GrowableMixin, nn.Module):
         self._grown_blocks.append(layer)
         return layer
 
+    def undo_growth(self, blocks, log_len: int) -> None:
+        """Take insertions back out (``GrowableMixin.undo_growth``), then re-sync the config and
+        every layer's KV-cache index, so the raw model is consistent at once."""
+        super().undo_growth(blocks, log_len)
+        self.sync()
+
     def sync(self) -> None:
         """Make the config and every layer's position agree with the layer list (after growth,
         or after an insertion was undone by removing a layer from the list)."""
