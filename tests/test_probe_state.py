@@ -96,17 +96,18 @@ def data(n: int, seed: int):
 
 
 @pytest.mark.parametrize("calibrate", [True, False], ids=["calibrate", "no-calibrate"])
-@pytest.mark.parametrize("rule", ["paper", "crossfit"])
+@pytest.mark.parametrize("rule", ["paper", "crossfit", "relative"])
 def test_a_check_restores_modes_flags_and_grad_state(tmp_path, rule, calibrate):
     torch.manual_seed(0)
     module = Sandwich()
     train = DataLoader(data(96, 0), batch_size=16, shuffle=True)
     probe = DataLoader(data(64, 1), batch_size=16)
     # t=1e-9 makes the paper rule grow at its first check (both the grow and the later
-    # checks are covered); the cross-fit rule decides whatever the data say.
+    # checks are covered); the cross-fit and relative rules decide whatever the data say.
     extra = {"t": 1e-9} if rule == "paper" else {}
-    grower = GrowUntilSaturated(probe=probe, network="trunk", rule=rule, calibrate=calibrate, every_n_epochs=1,
-                                max_growths=2, on_saturated="continue", verbose=False, **extra)  # fmt: skip
+    grower = GrowUntilSaturated(monitor=None, probe=probe, network="trunk", rule=rule, calibrate=calibrate,
+                                every_n_epochs=1, max_growths=2, on_saturated="continue", verbose=False,
+                                **extra)  # fmt: skip
     before, after = Spy(), Spy()
     trainer = L.Trainer(max_epochs=3, callbacks=[before, grower, after], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
