@@ -147,15 +147,19 @@ def test_compare_resumes_without_redoing_finished_rows(tmp_path, count_fits):
     first = (tmp_path / "runs.jsonl").read_text().splitlines()
     # "killed" after the first row: rerun with the full list
     result = run_compare(tiny_model(), tiny_data(), depths=[1, 2], **kwargs)
-    assert len(count_fits) == 6  # only depth 2's base, growth, scratch
+    # only depth 2's base (unless depth 1's scratch arm already is that network), growth, scratch
+    scratch_d1 = next(r for r in result.runs if r["arm"] == "scratch" and r["depth"] == 1)
+    shared = scratch_d1["stages"] == {"layer1": 2, "layer2": 1, "layer3": 1}  # depth 2's base (added=1)
+    fits = 6 - shared
+    assert len(count_fits) == fits
     lines = (tmp_path / "runs.jsonl").read_text().splitlines()
-    assert lines[:3] == first and len(lines) == 6
+    assert lines[:3] == first and len(lines) == fits
     keys = [json.loads(line)["key"] for line in lines]
-    assert len(set(keys)) == 6
+    assert len(set(keys)) == fits
     assert [r["depth"] for r in result.summary] == [1, 2]
     # nothing left to do: no training at all
     run_compare(tiny_model(), tiny_data(), depths=[1, 2], **kwargs)
-    assert len(count_fits) == 6
+    assert len(count_fits) == fits
     # a different configuration must not be mixed into these results
     with pytest.raises(ValueError, match="different configuration"):
         run_compare(tiny_model(family="preact"), tiny_data(), depths=[1], **kwargs)
@@ -181,7 +185,7 @@ def test_compare_continuous_mode_grows_then_trains_the_same_architecture(tmp_pat
 # -- measure, match, sweep ------------------------------------------------------------------------------
 def test_measure_reports_every_site_of_a_checkpoint(table_run, tmp_path):
     _, out = table_run
-    ckpt = out / "checkpoints" / "base_d0_s0.ckpt"
+    ckpt = out / "checkpoints" / "scratch_1-1-1_s0.ckpt"  # the base of depth 1 (added=0)
     model = tiny_model()
     result = run_measure(model, tiny_data(), ckpt_path=str(ckpt), output_dir=tmp_path)
     saved = json.loads((tmp_path / "measure.json").read_text())
@@ -201,7 +205,7 @@ def test_measure_reports_every_site_of_a_checkpoint(table_run, tmp_path):
 def test_match_lowers_the_training_loss_without_training(table_run, tmp_path):
     _, out = table_run
     result = run_match(
-        tiny_model(), tiny_data(), ckpt_path=str(out / "checkpoints" / "base_d0_s0.ckpt"), alpha=1e-2, seeds=[0, 1],
+        tiny_model(), tiny_data(), ckpt_path=str(out / "checkpoints" / "scratch_1-1-1_s0.ckpt"), alpha=1e-2, seeds=[0, 1],
         steps=30, samples=64, output_dir=tmp_path,
     )  # fmt: skip
     assert len(result.runs) == 2
