@@ -151,6 +151,8 @@ def test_every_arm_stops_at_the_plateau_and_none_is_capped(paired_run):
             run = _runs(result, arm, seed)
             assert run["stop"] == "plateau" and run["capped"] is False and run["epochs"] == 3
             assert len(run["trace"]) == 3 and run["split"] == _runs(result, "growth", 0)["split"]
+            # every arm (growth too: a new fit) runs the whole schedule: ×0.1 from epoch 1 on
+            assert [r["lr"] for r in run["trace"]] == pytest.approx([0.1, 0.01, 0.01])
     assert row["scratch_capped"] == row["growth_capped"] == 0
     assert _runs(result, "matched", 0)["stop"] == "budget"
 

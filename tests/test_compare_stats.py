@@ -167,6 +167,7 @@ def test_epoch_trace_saves_each_new_minimum_and_restarts_where_the_lr_is_final(t
     for epoch, loss in enumerate([1.0, 0.5, 0.8, 0.7, 0.75, 0.6]):
         trainer = SimpleNamespace(current_epoch=epoch, callback_metrics={"train_loss": torch.tensor(loss)},
                                   optimizers=[_optimizer(0.01)])  # fmt: skip
+        trace.on_train_epoch_start(trainer, module)
         trace.on_train_epoch_end(trainer, module)
     saved = [r["epoch"] for r in trace.records if r["weights"]]
     assert saved == [0, 1, 2, 3, 5]  # epoch 2 is above the minimum 0.5 of epochs 0–1 but starts the final-lr phase

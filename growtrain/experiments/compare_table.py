@@ -46,6 +46,7 @@ def _equal_values(rows: dict) -> dict:
     for arm in ("growth", "scratch"):
         entry = lookup.get(arm) or {}
         out[f"{arm}_test"] = (entry.get("test") or {}).get("loss")
+        out[f"{arm}_train"] = (entry.get("train") or {}).get("loss")
         out[f"{arm}_epoch"] = entry.get("epoch")
     return out
 
@@ -83,6 +84,7 @@ def summarise(depth, label, per_seed: list[dict], arms, depth_kwarg) -> dict:
     row["equal_target"], row["equal_target_std"], _ = mean_std(e["target"] for e in equal)
     for arm in ("growth", "scratch"):
         row[f"equal_{arm}_test_loss"], row[f"equal_{arm}_test_loss_std"], _ = mean_std(e[f"{arm}_test"] for e in equal)
+        row[f"equal_{arm}_train_loss"], _, _ = mean_std(e[f"{arm}_train"] for e in equal)
         row[f"equal_{arm}_epoch"], _, _ = mean_std(e[f"{arm}_epoch"] for e in equal)
     row["diff_equal_test_loss"] = paired_difference([e["growth_test"] for e in equal], [e["scratch_test"] for e in equal])
     return row
@@ -134,7 +136,7 @@ class CompareResult:
     def header2(self) -> list[str]:
         arms = "/".join(a[0].upper() for a in self.arms)
         head = ["Model", "Target train loss", "Test loss @target Scratch", "Test loss @target Growth",
-                "Δ @target G−S [95% CI]", "Epoch @target S/G", f"Epochs {arms}", f"FLOPs {arms}", "Capped (of n)"]  # fmt: skip
+                "Δ @target G−S [95% CI]", "Train loss @target S/G", "Epoch @target S/G", f"Epochs {arms}", f"FLOPs {arms}", "Capped (of n)"]  # fmt: skip
         if "matched" in self.arms:
             head += ["Test loss Matched", "Δ test G−M [95% CI]"]
         return head
@@ -143,10 +145,11 @@ class CompareResult:
         def joined(metric, spec):
             return " / ".join("—" if row.get(f"{a}_{metric}") is None else spec.format(row[f"{a}_{metric}"]) for a in self.arms)
 
+        train_at = " / ".join("—" if row.get(f"equal_{a}_train_loss") is None else fmt(row[f"equal_{a}_train_loss"], 4) for a in ("scratch", "growth"))
         epochs_at = " / ".join("—" if row.get(f"equal_{a}_epoch") is None else f"{row[f'equal_{a}_epoch']:.1f}" for a in ("scratch", "growth"))
         cells = [
             row["label"], _ms(row, "equal_target"), _ms(row, "equal_scratch_test_loss"), _ms(row, "equal_growth_test_loss"),
-            fmt_diff(row.get("diff_equal_test_loss")), epochs_at, joined("epochs", "{:.1f}"), joined("flops", "{:.2e}"),
+            fmt_diff(row.get("diff_equal_test_loss")), train_at, epochs_at, joined("epochs", "{:.1f}"), joined("flops", "{:.2e}"),
             ", ".join(f"{a[0].upper()} {row.get(f'{a}_capped', 0)}/{row['n']}" for a in ("scratch", "growth")),
         ]  # fmt: skip
         if "matched" in self.arms:
@@ -157,7 +160,8 @@ class CompareResult:
         n = max((row["n"] for row in self.summary), default=0)
         return (
             f"mean ± sd over {n} seed(s); Δ: mean paired difference over seeds with its 95 % t-interval; "
-            "gap = test − train loss; arms S = Scratch, G = Growth (epochs/FLOPs include its base), M = compute-matched "
+            "gap = test − train loss; @target: each arm at its first epoch at the final lr whose logged train loss is ≤ the "
+            "larger of the two arms' final ones (train loss there re-measured in eval mode); arms S = Scratch, G = Growth (epochs/FLOPs include its base), M = compute-matched "
             "Scratch; Capped: arms the epoch cap stopped (not the train-loss plateau; M always spends its budget)."
         )
 

@@ -144,7 +144,8 @@ class EpochTrace(Callback):
     and so does one over all epochs.
 
     ``records``: one dict per finished epoch ``{"epoch", "train_loss", "lr", "weights", "params"}``
-    (``weights``: the saved file's name, or None; ``params``: the network's size that epoch).
+    (``lr``: the first group's lr during the epoch; ``weights``: the saved file's name, or None;
+    ``params``: the network's size at the epoch's end).
     """
 
     def __init__(self, directory: str | Path, monitor: str = "train_loss", reset_at: float = 0):
@@ -152,10 +153,14 @@ class EpochTrace(Callback):
         self.records: list[dict] = []
         self._best = math.inf
 
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        # the lr this epoch trains with (epoch schedulers have already stepped by epoch end)
+        self._lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
+
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         value = trainer.callback_metrics.get(self.monitor)
         loss = float(value) if value is not None else None
-        lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
+        lr = getattr(self, "_lr", None)
         weights = None
         if trainer.current_epoch == self.reset_at:
             self._best = math.inf
