@@ -35,6 +35,7 @@ from growtrain.callbacks.probe_data import (
     ProbeView, check_split_indices, datasets_of, eval_output, first_input, loaders_of, probe_overlap, shard_loader,
 )  # fmt: skip
 from growtrain.batches import to_device
+from growtrain.crossfit import probe_size
 from growtrain.growable import grown_blocks, probe_loss_for, resolve_network
 from growtrain.reconfigure import reconfigure_optimizer, restart_schedulers
 from growtrain.saturation import SaturationReport, measure_saturation
@@ -63,6 +64,18 @@ def _insertion_order(names: Sequence[str]) -> list[str]:
         return (stage, -int(index)) if index.isdigit() else (name, 0)
 
     return sorted(names, key=key)
+
+
+class _Converted:
+    """The probe loader's batches as the trainer's precision plugin feeds training batches
+    (``64-true`` and ``bf16-true`` networks need float64 / bfloat16 inputs; mixed precision
+    leaves them alone), so the probe sees what a training step sees."""
+
+    def __init__(self, loader: Iterable, trainer: Trainer):
+        self.loader, self.convert = loader, trainer.precision_plugin.convert_input
+
+    def __iter__(self):
+        return (self.convert(batch) for batch in self.loader)
 
 
 class GrowUntilSaturated(Callback):
@@ -463,11 +476,15 @@ class GrowUntilSaturated(Callback):
         sync_fn = None
         if trainer.world_size > 1:
             sync_fn = lambda t: trainer.strategy.reduce(t, reduce_op="sum")  # noqa: E731
+        loader = self._probe_loader(trainer)
+        # The split of the cross-fit rules needs the sample count before the pass: read it from the
+        # loader itself, since the precision wrapper below hides its sampler.
+        size = probe_size(loader) if self.rule != "paper" else None
         start = time.perf_counter()
         report = measure_saturation(
-            ProbeView(pl_module, network), self._probe_loader(trainer), self._loss, delta=self.delta, alpha=level,
+            ProbeView(pl_module, network), _Converted(loader, trainer), self._loss, delta=self.delta, alpha=level,
             t=self.t, projected=self.projected, rule=self.rule, tau=self.tau, seed=self.seed * 1000 + self.checks,
-            calibrate=self.calibrate, autocast_dtype=self._autocast_dtype(trainer), sync_fn=sync_fn,
+            calibrate=self.calibrate, autocast_dtype=self._autocast_dtype(trainer), sync_fn=sync_fn, probe_size=size,
         )  # fmt: skip
         self.probe_seconds += time.perf_counter() - start
         self.checks += 1
@@ -493,7 +510,7 @@ class GrowUntilSaturated(Callback):
         """Insert the scored candidates, verify the output, then reconfigure optimizer and DDP."""
         device = next(network.parameters()).device
         view = ProbeView(pl_module, network)
-        x = to_device(first_input(self._probe_loader(trainer)), device)
+        x = to_device(first_input(_Converted(self._probe_loader(trainer), trainer)), device)
         before = eval_output(view, x)
         log_len = len(network.growth_log)
         inserted: list[nn.Module] = []
