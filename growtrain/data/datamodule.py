@@ -294,8 +294,9 @@ class ImageDataModule(lightning.LightningDataModule):
         # imagefolder already cropped/flipped per sample; pad-crop on top would double it.
         if self.augment and not self._lazy and self.trainer is not None and self.trainer.training:
             x = augment_batch(x)
-        if self.trainer is not None:  # Lightning converted the uint8 batch before this hook: convert the
-            x = self.trainer.precision_plugin.convert_input(x)  # floats now (float64 under "64-true")
+        plugin = getattr(self.trainer, "precision_plugin", None)
+        if plugin is not None:  # Lightning converted the uint8 batch before this hook: convert the
+            x = plugin.convert_input(x)  # floats now (float64 under "64-true")
         return type(batch)((x, y)) if isinstance(batch, (tuple, list)) else (x, y)
 
     # --- checkpoints: a resumed run must keep the same probe ---------------------------------
