@@ -48,9 +48,9 @@ def tiny_trainer(stop: TrainLossEarlyStopping | None, **kw) -> dict:
     return settings
 
 
-@pytest.fixture
-def read_indices(monkeypatch):
-    """Per fit, the dataset positions of every training batch, as the dataset was asked for them."""
+def record_indices(monkeypatch) -> list[list[list[int]]]:
+    """Per fit, the dataset positions of every training batch, as the dataset was asked for them
+    (evaluation after a fit is not recorded)."""
     fits: list[list[list[int]]] = []
     active = []
     original_fit, original_get = Trainer.fit, datamodule_module.TensorImages.__getitems__
@@ -87,25 +87,7 @@ def paired_run(tmp_path_factory):
     """Two seeds, depth 1 (cyclic), plateau stop after 3 epochs (cap 4), with the matched arm."""
     out = tmp_path_factory.mktemp("paired")
     mp = pytest.MonkeyPatch()
-    fits: list = []
-    active = []
-    original_fit, original_get = Trainer.fit, datamodule_module.TensorImages.__getitems__
-
-    def fit(self, *args, **kwargs):
-        fits.append([])
-        active.append(True)
-        try:
-            return original_fit(self, *args, **kwargs)
-        finally:
-            active.pop()
-
-    def getitems(self, idx):
-        if active:
-            fits[-1].append(list(idx))
-        return original_get(self, idx)
-
-    mp.setattr(Trainer, "fit", fit)
-    mp.setattr(datamodule_module.TensorImages, "__getitems__", getitems)
+    fits = record_indices(mp)
     # checked from epoch 1 (the milestone); min_delta 10: no later epoch counts as an improvement,
     # so patience 1 stops after epoch 2, before the cap of 4
     stop = TrainLossEarlyStopping(start_epoch=1, patience=1, min_delta=10.0)
