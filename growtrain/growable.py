@@ -341,11 +341,14 @@ def replay_growth(network: GrowableNetwork, records: Sequence[dict]) -> list[nn.
         )
     if list(network.growth_log) != list(records[:done]):
         raise ValueError("records: the network's existing growth differs from the recorded growth")
-    added = []
-    for rec in records[done:]:
-        site = Site(str(rec["stage"]), int(rec["index"]))
-        added.append(network.grow(site))
-    return added
+    for k, rec in enumerate(records[done:], done):  # check every record before the network changes
+        if not (isinstance(rec, dict) and isinstance(rec.get("stage"), str)
+                and isinstance(rec.get("index"), int) and not isinstance(rec.get("index"), bool)):  # fmt: skip
+            raise ValueError(
+                f"records[{k}]: a growth record must be a dict with 'stage' (str) and 'index' (int), got {rec!r}. "
+                "The checkpoint's growth record is corrupted or was not written by growtrain; nothing was loaded."
+            )
+    return [network.grow(Site(rec["stage"], rec["index"])) for rec in records[done:]]
 
 
 def find_growable(module: nn.Module) -> nn.Module | None:

@@ -232,8 +232,6 @@ def test_checkpoint_without_its_growth_record(tmp_path, grown_checkpoint, how):
         LOADERS[how](tmp_path, _edited(grown_checkpoint, tmp_path, lambda ck: ck.pop("growtrain")))
 
 
-@pytest.mark.xfail(strict=True, reason="needs lead fix: replay_growth/on_load_checkpoint raise a bare KeyError('stage') "
-                   "for a growth record without its keys; it should name the record and the checkpoint")  # fmt: skip
 @pytest.mark.parametrize("how", list(LOADERS))
 def test_checkpoint_with_a_malformed_growth_record(tmp_path, grown_checkpoint, how):
     def edit(ck):

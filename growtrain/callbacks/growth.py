@@ -476,6 +476,10 @@ class GrowUntilSaturated(Callback):
         sync_fn = None
         if trainer.world_size > 1:
             sync_fn = lambda t: trainer.strategy.reduce(t, reduce_op="sum")  # noqa: E731
+            # DDP broadcasts buffers before each forward, but the last training forward then moved
+            # each rank's BatchNorm statistics by its own batch: probe one network, rank 0's.
+            for buffer in pl_module.buffers():
+                torch.distributed.broadcast(buffer.data, src=0)
         loader = self._probe_loader(trainer)
         # The split of the cross-fit rules needs the sample count before the pass: read it from the
         # loader itself, since the precision wrapper below hides its sampler.
