@@ -2,6 +2,7 @@
 
     python bench/probe.py                      # cifar_resnet (4,4,4) w=16, 13 sites, n=256
     python bench/probe.py --family basic --n 256 --repeats 5
+    python bench/probe.py --ops check_crossfit check_relative --repeats 7   # the relative rule's cost
 
 Each figure is the median over ``--repeats`` runs in this one process (ratios, not absolute
 times, are what transfer between machines). Peak memory is the rise of the process's peak
@@ -44,9 +45,9 @@ def op_train(net, x, y, loader, args):
         F.cross_entropy(net(xb), yb).backward()
 
 
-def op_probe(projected, calibrate):
+def op_probe(projected, calibrate, rule="paper"):
     def run(net, x, y, loader, args):
-        measure_saturation(net, loader, F.cross_entropy, projected=projected, calibrate=calibrate)
+        measure_saturation(net, loader, F.cross_entropy, projected=projected, calibrate=calibrate, rule=rule)
 
     return run
 
@@ -67,6 +68,10 @@ OPS = {
     "probe_decision": op_probe(projected=False, calibrate=False),
     "probe_decision_calibrated": op_probe(projected=False, calibrate=True),
     "probe_projected": op_probe(projected=True, calibrate=False),
+    # the callback's check: cross-fit (the old default) and relative (the default: + the existing
+    # blocks' terminal gradients on half A, in the same pass)
+    "check_crossfit": op_probe(projected=False, calibrate=True, rule="crossfit"),
+    "check_relative": op_probe(projected=False, calibrate=True, rule="relative"),
     "naive_per_site": op_naive,
 }
 
@@ -103,6 +108,7 @@ def main():
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--skip-naive", action="store_true")
+    p.add_argument("--ops", nargs="+", default=None, choices=list(OPS), help="only these (train_step is always run)")
     p.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.memory_of:
@@ -113,6 +119,8 @@ def main():
     print(f"cifar_resnet{tuple(args.blocks)} w={args.width} {args.family}: {sites} sites, n={args.n}, batch {args.batch}, "
           f"torch threads {torch.get_num_threads()}, median of {args.repeats}")
     ops = [k for k in OPS if not (args.skip_naive and k == "naive_per_site")]
+    if args.ops:
+        ops = ["train_step"] + [k for k in ops if k in args.ops and k != "train_step"]
     # Interleave the repeats (A B C A B C ...) so that load from other processes hits every
     # operation alike: the ratios, not the absolute times, are the result.
     times = {name: [] for name in ops}
