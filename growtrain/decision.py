@@ -54,7 +54,7 @@ Rule = Literal["paper", "crossfit", "relative"]
 RULES: tuple[str, ...] = ("paper", "crossfit", "relative")
 DEFAULT_RULE: Rule = "relative"
 # τ: grow only when a new block's certified first-order value is at least this fraction of the
-# existing blocks' (RMS) first-order value. Chosen on the sweep in docs/decision.md.
+# existing blocks' (RMS) first-order value. Set a priori, not yet validated (docs/decision.md).
 DEFAULT_TAU = 0.5
 
 
