@@ -40,10 +40,14 @@ def _dm(**kw) -> ImageDataModule:
 def test_empty_probe_is_refused_before_any_training_step(tmp_path):
     steps = CountSteps()
     grower = GrowUntilSaturated(monitor=None, every_n_epochs=1, verbose=False)
+    calls = []
+    real_setup = GrowUntilSaturated.setup
+    grower.setup = lambda *a, **k: (calls.append("setup"), real_setup(grower, *a, **k))  # noqa: E731
     with pytest.raises(ValueError, match=r"probe_size: expected an integer >= 1 when a probe is used.*got 0"):
         _trainer(tmp_path, [steps, grower]).fit(ImageClassifier(width=4, in_channels=3, num_classes=4),
                                                _dm(probe_size=0))  # fmt: skip
-    assert steps.steps == 0
+    assert steps.steps == 0 and calls == ["setup"]
+    assert grower.start_depth is None  # refused in setup: on_train_start never ran
 
 
 def test_probe_size_zero_is_fine_without_a_probe():

@@ -259,6 +259,7 @@ class GrowUntilSaturated(Callback):
                     "be trained on."
                 )
             check_split_indices(dm)
+            dm.probe_dataloader()  # an empty probe (probe_size=0) is refused here, at setup, not at a check
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._fit_start = time.perf_counter()
