@@ -28,7 +28,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from lightning.pytorch import LightningDataModule, LightningModule, seed_everything
 
@@ -180,33 +180,30 @@ def run_stopping(
     log = RunLog(out / "runs.jsonl", fp, resume)
     decision_key = fingerprint(decision)
     others = lambda cb: cb not in configured  # noqa: E731
-    growth_rows, scratch_rows = [], []
-    for seed in seeds if not skip_growth else ():
-        key = f"growth/{decision_key}/seed={seed}"
-        row = log.get(key)
-        if row is None and not train:
-            continue
-        if row is None:
-            seed_everything(seed, workers=True, verbose=False)
-            module = module_at_depth(model, start, name, module_factory)
-            runner = copy.deepcopy(grow)
-            runner.config = replace(runner.config, seed=seed)
-            runner.seed = seed
-            row = log.add(key, _train(module, datamodule, kwargs, out / f"growth_seed{seed}", others, runner, name,
-                                      depth_offset(model, name), seed))  # fmt: skip
-        growth_rows.append(row)
-    for seed in seeds if not skip_scratch else ():
-        for value in values:
-            key = f"scratch/{name}={value}/seed={seed}"
-            row = log.get(key)
-            if row is None and not train:
-                continue
-            if row is None:
-                seed_everything(seed, workers=True, verbose=False)
-                module = module_at_depth(model, value, name, module_factory)
-                row = log.add(key, _train(module, datamodule, kwargs, out / f"scratch_{name}{value}_seed{seed}", others,
-                                          _scratch_grower(grow), name, depth_offset(model, name), seed))  # fmt: skip
-            scratch_rows.append(row)
+
+    def row(key: str, value: int, seed: int, directory: str, grower: Callable[[], GrowUntilSaturated]) -> dict | None:
+        """The logged row, else (with ``train``) one training of depth ``value``, logged."""
+        done = log.get(key)
+        if done is not None or not train:
+            return done
+        seed_everything(seed, workers=True, verbose=False)
+        module = module_at_depth(model, value, name, module_factory)
+        return log.add(key, _train(module, datamodule, kwargs, out / directory, others, grower(), name,
+                                   depth_offset(model, name), seed))  # fmt: skip
+
+    def seeded_grower(seed: int) -> GrowUntilSaturated:
+        runner = copy.deepcopy(grow)
+        runner.config = replace(runner.config, seed=seed)
+        runner.seed = seed
+        return runner
+
+    growth_rows = [row(f"growth/{decision_key}/seed={seed}", start, seed, f"growth_seed{seed}",
+                       lambda seed=seed: seeded_grower(seed)) for seed in (seeds if not skip_growth else ())]  # fmt: skip
+    scratch_rows = [row(f"scratch/{name}={value}/seed={seed}", value, seed, f"scratch_{name}{value}_seed{seed}",
+                        lambda: _scratch_grower(grow))
+                    for seed in (seeds if not skip_scratch else ()) for value in values]  # fmt: skip
+    growth_rows = [r for r in growth_rows if r is not None]
+    scratch_rows = [r for r in scratch_rows if r is not None]
     result = StoppingResult(scratch=scratch_rows, growth=growth_rows, depth_kwarg=name, output_dir=out)
     if scratch_rows:
         by_depth: dict[int, list[float]] = {}
