@@ -59,7 +59,33 @@ def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1))
 
 
-class LanguageModel(GrowableModuleMixin, ConfiguredOptimizerMixin, SharedStepsMixin, LightningModule):
+class TokenStepsMixin:
+    """Token-weighted epoch loss and perplexity for causal LMs (``LanguageModel``, ``HFCausalLM``).
+
+    Call ``_init_token_metrics()`` in ``__init__``; ``_shared_step`` serves training, validation
+    and test. No step waits for the device: metrics accumulate there and are read once per epoch.
+    """
+
+    def _init_token_metrics(self) -> None:
+        self.metrics = nn.ModuleDict()
+        for stage in ("train", "val", "test"):
+            # WeightedMean, not torchmetrics' MeanMetric: no host read per step (see WeightedMean).
+            self.metrics[f"{stage}_loss"] = WeightedMean()
+            self.metrics[f"{stage}_ppl"] = ExpMean()
+
+    def _shared_step(self, batch: Sequence[torch.Tensor], stage: str) -> torch.Tensor:
+        x, y = batch  # (B, T), (B, T)
+        loss = token_cross_entropy(self(x), y)  # logits (B, T, vocab)
+        # Weights made on the device (full_like): a Python number would be copied there each step.
+        tokens = torch.full_like(loss.detach(), y.numel(), dtype=torch.float32)
+        self.metrics[f"{stage}_loss"].update(loss.detach(), weight=tokens)
+        self.metrics[f"{stage}_ppl"].update(loss.detach(), weight=tokens)
+        self.log(f"{stage}_loss", self.metrics[f"{stage}_loss"], on_step=False, on_epoch=True, prog_bar=True)
+        self.log(f"{stage}_ppl", self.metrics[f"{stage}_ppl"], on_step=False, on_epoch=True)
+        return loss
+
+
+class LanguageModel(TokenStepsMixin, GrowableModuleMixin, ConfiguredOptimizerMixin, SharedStepsMixin, LightningModule):
     """Causal language model around a growable decoder.
 
     Args:
@@ -107,29 +133,13 @@ class LanguageModel(GrowableModuleMixin, ConfiguredOptimizerMixin, SharedStepsMi
         if network is None:
             network = GPT(GPTConfig(n_layer, d_model, n_head, block_size, vocab_size, dropout, bias))
         self.network = network
-        self.metrics = nn.ModuleDict()
-        for stage in ("train", "val", "test"):
-            # WeightedMean, not torchmetrics' MeanMetric: no host read per step (see WeightedMean).
-            self.metrics[f"{stage}_loss"] = WeightedMean()
-            self.metrics[f"{stage}_ppl"] = ExpMean()
+        self._init_token_metrics()
 
     # The growth callback finds the probe loss here (ImageClassifier has the same method).
     probe_loss = staticmethod(token_cross_entropy)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.network(idx)  # (B, T, vocab)
-
-    def _shared_step(self, batch: Sequence[torch.Tensor], stage: str) -> torch.Tensor:
-        x, y = batch  # (B, T), (B, T)
-        logits = self(x)  # (B, T, vocab)
-        loss = token_cross_entropy(logits, y)
-        # Weights made on the device (full_like): a Python number would be copied there each step.
-        tokens = torch.full_like(loss.detach(), y.numel(), dtype=torch.float32)
-        self.metrics[f"{stage}_loss"].update(loss.detach(), weight=tokens)
-        self.metrics[f"{stage}_ppl"].update(loss.detach(), weight=tokens)
-        self.log(f"{stage}_loss", self.metrics[f"{stage}_loss"], on_step=False, on_epoch=True, prog_bar=True)
-        self.log(f"{stage}_ppl", self.metrics[f"{stage}_ppl"], on_step=False, on_epoch=True)
-        return loss
 
     def setup(self, stage: str) -> None:
         # A token id ≥ vocab_size would index past the embedding: fail before training, with the fix.

@@ -387,3 +387,23 @@ def test_undo_growth_restores_the_config_and_cache_indices():
     net.undo_growth(inserted, 0)
     assert (model.config.num_hidden_layers, _layer_positions(net)) == before
     assert net.growth_log == []
+
+
+@pytest.mark.parametrize("which", ["hf", "gpt"])
+def test_epoch_loss_and_perplexity_are_token_weighted(which, llama_dir):
+    """Batches of unequal token counts: the epoch loss is Σ n_b L_b / Σ n_b and the perplexity its
+    exp (a plain per-batch mean — what MeanMetric with its weights dropped gave — differs)."""
+    from growtrain.hf import HFCausalLM
+    from growtrain.lm import LanguageModel
+
+    module = HFCausalLM(pretrained=str(llama_dir)) if which == "hf" else LanguageModel(vocab_size=256, n_layer=1,
+                                                                                        d_model=16, n_head=2)
+    module.log = lambda *a, **k: None  # no trainer here
+    batches = [(_tokens(1, (4, 12)) % 64, _tokens(2, (4, 12)) % 64), (_tokens(3, (1, 5)) % 64, _tokens(4, (1, 5)) % 64)]
+    with torch.no_grad():
+        losses = [float(module._shared_step(b, "val")) for b in batches]
+    counts = [b[1].numel() for b in batches]
+    expected = sum(n * l for n, l in zip(counts, losses)) / sum(counts)
+    assert float(module.metrics["val_loss"].compute()) == pytest.approx(expected, rel=1e-5)
+    assert float(module.metrics["val_ppl"].compute()) == pytest.approx(math.exp(expected), rel=1e-5)
+    assert abs(expected - sum(losses) / 2) > 1e-4  # the two batches' losses do differ

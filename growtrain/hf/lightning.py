@@ -25,18 +25,10 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
-from torchmetrics import MeanMetric
 
 from growtrain.hf.adapter import growable
-from growtrain.lm import gpt2_adamw, token_cross_entropy
+from growtrain.lm import TokenStepsMixin, gpt2_adamw, token_cross_entropy
 from growtrain.module import ConfiguredOptimizerMixin, GrowableModuleMixin, SharedStepsMixin
-
-class _ExpMean(MeanMetric):
-    """``exp`` of the token-weighted mean loss: the epoch's perplexity."""
-
-    def compute(self) -> torch.Tensor:
-        return super().compute().exp()
-
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,7 +55,7 @@ def load_local(path: str, dtype: Optional[str] = None, attn_implementation: Opti
     return AutoModelForCausalLM.from_pretrained(str(root), **kwargs)
 
 
-class HFCausalLM(GrowableModuleMixin, ConfiguredOptimizerMixin, SharedStepsMixin, LightningModule):
+class HFCausalLM(TokenStepsMixin, GrowableModuleMixin, ConfiguredOptimizerMixin, SharedStepsMixin, LightningModule):
     """Causal LM around a growable Hugging Face decoder.
 
     Args:
@@ -109,26 +101,12 @@ class HFCausalLM(GrowableModuleMixin, ConfiguredOptimizerMixin, SharedStepsMixin
             model = load_local(pretrained, dtype, attn_implementation)
         # from_pretrained returns eval mode; Lightning keeps a module's modes, so train like a fresh module
         self.network = growable(model.train(), allow_frozen=allow_frozen)
-        self.metrics = nn.ModuleDict()
-        for stage in ("train", "val", "test"):
-            # nan_strategy="disable": NaN screening would read a device value on the host every step.
-            self.metrics[f"{stage}_loss"] = MeanMetric(nan_strategy="disable")
-            self.metrics[f"{stage}_ppl"] = _ExpMean(nan_strategy="disable")
+        self._init_token_metrics()  # token-weighted loss and perplexity (growtrain.lm.TokenStepsMixin)
 
     probe_loss = staticmethod(token_cross_entropy)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.network(idx)  # (B, T, vocab)
-
-    def _shared_step(self, batch, stage: str) -> torch.Tensor:
-        x, y = batch  # (B, T), (B, T)
-        loss = token_cross_entropy(self(x), y)
-        tokens = torch.full_like(loss.detach(), y.numel(), dtype=torch.float32)  # made on the device
-        self.metrics[f"{stage}_loss"].update(loss.detach(), weight=tokens)
-        self.metrics[f"{stage}_ppl"].update(loss.detach(), weight=tokens)
-        self.log(f"{stage}_loss", self.metrics[f"{stage}_loss"], on_step=False, on_epoch=True, prog_bar=True)
-        self.log(f"{stage}_ppl", self.metrics[f"{stage}_ppl"], on_step=False, on_epoch=True)
-        return loss
 
     def setup(self, stage: str) -> None:
         # A token id ≥ the model's vocabulary would index past the embedding: fail before training.
