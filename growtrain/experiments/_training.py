@@ -73,7 +73,23 @@ def sibling_trainer(
     return BaseGrowTrainer(**kwargs)
 
 
-class _SplitAsTest(LightningDataModule):
+class DelegatingDataModule(LightningDataModule):
+    """A datamodule wrapping ``self.inner``: batches move and transform exactly as the inner
+    datamodule's hooks do (normalisation, augmentation, precision)."""
+
+    inner: LightningDataModule
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        return self.inner.transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return self.inner.on_before_batch_transfer(batch, dataloader_idx)
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        return self.inner.on_after_batch_transfer(batch, dataloader_idx)
+
+
+class _SplitAsTest(DelegatingDataModule):
     """Serve one split of ``datamodule`` as a test split, with the datamodule's batch hooks."""
 
     def __init__(self, datamodule: LightningDataModule, split: str):
@@ -100,14 +116,6 @@ class _SplitAsTest(LightningDataModule):
                                 collate_fn=loader.collate_fn, num_workers=loader.num_workers)  # fmt: skip
         return loader
 
-    def transfer_batch_to_device(self, batch, device, dataloader_idx):
-        return self.inner.transfer_batch_to_device(batch, device, dataloader_idx)
-
-    def on_before_batch_transfer(self, batch, dataloader_idx):
-        return self.inner.on_before_batch_transfer(batch, dataloader_idx)
-
-    def on_after_batch_transfer(self, batch, dataloader_idx):
-        return self.inner.on_after_batch_transfer(batch, dataloader_idx)
 
 
 def evaluate(

@@ -23,6 +23,8 @@ import torch
 from lightning.pytorch import Callback, LightningDataModule
 from torch.utils.data import DataLoader, Sampler
 
+from growtrain.experiments._training import DelegatingDataModule
+
 __all__ = ["EpochOrder", "PairedData", "EpochTrace", "split_digest"]
 
 
@@ -55,7 +57,7 @@ class EpochOrder(Sampler[int]):
         return self.n
 
 
-class PairedData(LightningDataModule):
+class PairedData(DelegatingDataModule):
     """``inner``'s data with its train loader re-made on :class:`EpochOrder` (``seed``); every
     other attribute is ``inner``'s."""
 
@@ -99,14 +101,6 @@ class PairedData(LightningDataModule):
         self._attach()
         return self.inner.test_dataloader()
 
-    def transfer_batch_to_device(self, batch, device, dataloader_idx):
-        return self.inner.transfer_batch_to_device(batch, device, dataloader_idx)
-
-    def on_before_batch_transfer(self, batch, dataloader_idx):
-        return self.inner.on_before_batch_transfer(batch, dataloader_idx)
-
-    def on_after_batch_transfer(self, batch, dataloader_idx):
-        return self.inner.on_after_batch_transfer(batch, dataloader_idx)
 
     def __getattr__(self, name: str):
         # Anything else the callbacks ask the datamodule for (e.g. GrowUntilSaturated's
