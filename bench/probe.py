@@ -3,6 +3,7 @@
     python bench/probe.py                      # cifar_resnet (4,4,4) w=16, 13 sites, n=256
     python bench/probe.py --family basic --n 256 --repeats 5
     python bench/probe.py --ops check_crossfit check_relative --repeats 7   # the relative rule's cost
+    python bench/probe.py --ops check_crossfit check_gain check_gain_ddp --repeats 7   # min_gain's cost
 
 Each figure is the median over ``--repeats`` runs in this one process (ratios, not absolute
 times, are what transfer between machines). Peak memory is the rise of the process's peak
@@ -27,6 +28,7 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]
 
 from growtrain.models import cifar_resnet  # noqa: E402
 from growtrain.saturation import candidate_blocks, measure_saturation  # noqa: E402
+from growtrain.callbacks.probe_data import ProbeView, per_sample_losses  # noqa: E402
 
 
 def build(args):
@@ -52,6 +54,18 @@ def op_probe(projected, calibrate, rule="paper"):
     return run
 
 
+def op_check_gain(net, x, y, loader, args):
+    """The default check on one process: the cross-fit pass, keeping each sample's loss (min_gain)."""
+    measure_saturation(net, loader, F.cross_entropy, projected=False, calibrate=True, rule="crossfit",
+                       sample_losses=[])  # fmt: skip
+
+
+def op_check_gain_ddp(net, x, y, loader, args):
+    """Under DDP: the cross-fit pass on the rank's shard plus one forward over the whole probe."""
+    measure_saturation(net, loader, F.cross_entropy, projected=False, calibrate=True, rule="crossfit")
+    per_sample_losses(ProbeView(net, net), loader, F.cross_entropy, torch.device("cpu"))
+
+
 def op_naive(net, x, y, loader, args):
     """One forward+backward per site with that site's block really inserted (ĝ only)."""
     blocks = candidate_blocks(net)
@@ -68,10 +82,12 @@ OPS = {
     "probe_decision": op_probe(projected=False, calibrate=False),
     "probe_decision_calibrated": op_probe(projected=False, calibrate=True),
     "probe_projected": op_probe(projected=True, calibrate=False),
-    # the callback's check: cross-fit (the old default) and relative (the default: + the existing
-    # blocks' terminal gradients on half A, in the same pass)
+    # the callback's check: cross-fit, relative (+ the existing blocks' terminal gradients on
+    # half A, in the same pass) and the default (cross-fit + min_gain's per-sample losses)
     "check_crossfit": op_probe(projected=False, calibrate=True, rule="crossfit"),
     "check_relative": op_probe(projected=False, calibrate=True, rule="relative"),
+    "check_gain": op_check_gain,  # the default (cross-fit + min_gain's losses from the same pass)
+    "check_gain_ddp": op_check_gain_ddp,  # ... under DDP: + one forward pass over the whole probe
     "naive_per_site": op_naive,
 }
 

@@ -51,6 +51,16 @@ def batch_size(batch_or_target: Any) -> int:
     raise TypeError(f"probe_loader: cannot tell the batch size of a {type(batch_or_target).__name__}")
 
 
+def sample_loss_terms(output: Any, target: Any, loss_fn: Any) -> torch.Tensor:
+    """Each sample's term of the batch-mean loss ``loss_fn(output, target)``, as float64 (B,):
+    ``loss_fn`` on one sample's slice of the output and target (for a language model: that
+    sequence's token mean)."""
+    with torch.no_grad():
+        terms = [loss_fn(slice_batch(output, i, i + 1), slice_batch(target, i, i + 1)).double()
+                 for i in range(batch_size(target))]  # fmt: skip
+    return torch.stack(terms) if terms else torch.zeros(0, dtype=torch.float64)
+
+
 def slice_batch(obj: Any, start: int, stop: int) -> Any:
     """Samples ``start:stop`` of a batch (tensors, tuples/lists, mappings of them)."""
     if isinstance(obj, torch.Tensor):

@@ -6,7 +6,9 @@ verdicts it could compute, and states, when it is built, which rule made its dec
 * ``"paper"`` — Proposition 1: saturated iff ``Γ̂_n ≤ δ + t``, ``t = sqrt(Σ_l σ̂²_l/(nα))``.
 * ``"crossfit"`` — grow iff some site's cross-fit lower bound on ``‖g_l‖`` (level ``α/K``)
   exceeds the absolute margin ``δ`` (``growtrain.crossfit``).
-* ``"relative"`` (the callback's default) — grow iff some site's cross-fit lower bound exceeds
+* ``"crossfit"`` is the callback's default, with ``min_gain``: after a growth, grow again iff
+  that block lowered the probe loss by a certified > ``min_gain`` of it (:func:`gain_verdict`).
+* ``"relative"`` — grow iff some site's cross-fit lower bound exceeds
   ``max(δ, τ · R)``, where ``R`` is the root-mean-square population gradient norm of the
   *existing* blocks' terminal maps, estimated without bias on half ``A`` of the same probe
   pass (:func:`debiased_reference`). ``R`` is fixed given ``A`` and the bound uses only ``B``,
@@ -35,6 +37,7 @@ __all__ = [
     "RULES",
     "DEFAULT_RULE",
     "DEFAULT_TAU",
+    "DEFAULT_MIN_GAIN",
     "Verdict",
     "paper_verdict",
     "crossfit_verdict",
@@ -47,14 +50,24 @@ __all__ = [
     "budget_reason",
     "rank_sites",
     "decide_growth",
+    "best_scored_site",
     "insertion_tolerance",
+    "check_min_gain",
+    "paired_gain",
+    "gain_verdict",
 ]
 
 Rule = Literal["paper", "crossfit", "relative"]
 RULES: tuple[str, ...] = ("paper", "crossfit", "relative")
-DEFAULT_RULE: Rule = "relative"
-# τ: grow only when a new block's certified first-order value is at least this fraction of the
-# existing blocks' (RMS) first-order value. Set a priori, not yet validated (docs/decision.md).
+# The decision entry points' default: the first check asks for certified first-order gain
+# (δ = 0); after a growth the realized gain decides (DEFAULT_MIN_GAIN). The relative rule did
+# not track depth on real data (docs/decision.md) and stays available and reported.
+DEFAULT_RULE: Rule = "crossfit"
+# min_gain: grow again only if the last block lowered the held-out probe loss by a certified
+# more than this fraction of it (docs/decision.md, results.md "Stop where depth stops paying").
+DEFAULT_MIN_GAIN = 0.01
+# τ: the relative rule's threshold (a fraction of the existing blocks' RMS first-order value).
+# Set a priori; on real data the ratio did not fall with depth (docs/decision.md).
 DEFAULT_TAU = 0.5
 
 
@@ -266,6 +279,16 @@ def rank_sites(report: "SaturationReport", top_k: int) -> list[str]:
     return out
 
 
+def best_scored_site(report: "SaturationReport") -> str | None:
+    """The site a growth judged by its realized gain takes: the largest certified lower bound
+    (cross-fit and relative rules) or the largest ``‖ĝ‖`` (paper's rule), whatever the verdict."""
+    if not report.sites:
+        return None
+    if report.rule in ("crossfit", "relative") and all(r.lower is not None for r in report.sites):
+        return max(report.sites, key=lambda r: r.lower).name
+    return max(report.sites, key=lambda r: r.grad_norm).name
+
+
 def decide_growth(
     *,
     saturated: bool,
@@ -307,3 +330,47 @@ def decide_growth(
 def insertion_tolerance(dtype: torch.dtype, scale: float) -> float:
     """Largest acceptable ``max|Δ output|`` after inserting zero-output blocks."""
     return _TOLERANCE.get(dtype, 1e-5) * max(1.0, float(scale))
+
+
+# -- did the last growth pay? ----------------------------------------------------------------
+def check_min_gain(value: object) -> float | None:
+    """``min_gain``: ``None`` (off) or a finite fraction ≥ 0 of the probe loss."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"min_gain: expected None or a finite number >= 0 (the fraction of the probe loss by which the last "
+            f"growth must have certifiably lowered it); got {value!r}. Fix: pass min_gain=0.01 (1 %) or None."
+        )
+    return float(value)
+
+
+def paired_gain(before: torch.Tensor, after: torch.Tensor) -> tuple[float, float, int, float]:
+    """``(mean, standard error, n, mean before)`` of the per-sample gains ``before_i − after_i``.
+
+    ``before`` and ``after`` are the per-sample probe losses of the network when it last grew
+    and now, on the same probe samples in the same order. Pairing removes the samples' own
+    difficulty, so the standard error is that of the *differences* (much smaller than the two
+    losses' own spread)."""
+    if before.shape != after.shape or before.dim() != 1 or before.numel() < 2:
+        raise ValueError(f"paired_gain: expected two 1-d loss vectors of one length >= 2; got {tuple(before.shape)} "
+                         f"and {tuple(after.shape)} (the probe changed between checks?)")  # fmt: skip
+    d = (before.double() - after.double())
+    n = d.numel()
+    return float(d.mean()), float(d.std(unbiased=True)) / math.sqrt(n), n, float(before.double().mean())
+
+
+def gain_verdict(mean: float, se: float, before_mean: float, *, min_gain: float, level: float) -> Verdict:
+    """Did the last growth pay? ``lower = mean − z_{1−level}·se`` (a one-sided normal bound on the
+    mean per-sample gain, valid for the probe's n ≫ 1 independent samples); paid iff
+    ``lower > min_gain · before_mean``. Both sides scale with the loss, so a loss in other units
+    makes the same decision; no learning rate enters."""
+    from statistics import NormalDist
+
+    lower = mean - NormalDist().inv_cdf(1.0 - level) * se
+    margin = min_gain * before_mean
+    what = (f"the last growth lowered the probe loss by {mean:.4g} (lower bound {lower:.4g}, level {level:.3g}) "
+            f"vs min_gain·loss = {min_gain:g}×{before_mean:.4g} = {margin:.4g}")  # fmt: skip
+    if lower > margin:
+        return Verdict("gain", False, None, lower, margin, f"paid: {what}")
+    return Verdict("gain", True, None, lower, margin, f"saturated: depth stopped paying: {what}")

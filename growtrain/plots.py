@@ -103,8 +103,9 @@ def plot_sweep(rows: Sequence[dict], path: str | Path | None = None, *, depth_la
 
 def plot_stopping(summary: dict, growth_rows: Sequence[dict], path: str | Path | None = None):
     """Left: the scratch sweep's test loss against depth (mean ± sd), ``d*`` and each growth
-    seed's found depth marked (AutoGrow's Figure 5 style). Right: the relative rule's ratio
-    (best certified lower bound / R) at each check of the first growth run, against depth, with τ."""
+    seed's found depth marked (AutoGrow's Figure 5 style). Right: with ``min_gain``, every growth
+    seed's certified gain of its last block at each check, with ``min_gain``; else the relative
+    rule's ratio (best certified lower bound / R) of the first growth run, with τ."""
     fig = _figure((10.0, 4.0))
     left, right = fig.subplots(1, 2)
     label = summary.get("depth_kwarg", "depth")
@@ -121,7 +122,10 @@ def plot_stopping(summary: dict, growth_rows: Sequence[dict], path: str | Path |
     left.set_xlabel(f"depth ({label})")
     left.set_ylabel("test loss")
     left.legend(fontsize=8)
-    if growth_rows:
+    gains = [[h for h in g.get("history", []) if (h.get("verdicts") or {}).get("gain")] for g in growth_rows]
+    if any(gains):
+        _plot_gains(right, growth_rows, gains)
+    elif growth_rows:
         hist = [h for h in growth_rows[0].get("history", []) if h.get("ratio") is not None]
         if hist:
             right.plot([h["depth_before"] for h in hist], [h["ratio"] for h in hist], "o-", label="ratio (lower / R)")
@@ -136,6 +140,27 @@ def plot_stopping(summary: dict, growth_rows: Sequence[dict], path: str | Path |
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
     return fig
+
+
+def _plot_gains(ax, growth_rows: Sequence[dict], gains: Sequence[Sequence[dict]]) -> None:
+    """Each growth seed's certified gain of its last block (lower bound / probe loss at that
+    growth) against the blocks at the check, with ``min_gain``: growth goes on above the line."""
+    min_gain = None
+    for i, (g, hist) in enumerate(zip(growth_rows, gains)):
+        if not hist:
+            continue
+        gain = [h["verdicts"]["gain"] for h in hist]
+        ys = [v["score"] / v["loss_before"] for v in gain]
+        ax.plot([h["depth_before"] for h in hist], ys, "o-", color=f"C{i}", label=f"seed {g['seed']}")
+        min_gain = gain[0]["margin"] / gain[0]["loss_before"]
+    if min_gain is not None:
+        ax.axhline(min_gain, color="C3", ls=":", label=f"min_gain = {min_gain:.2g}")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("blocks at the check (the last one just judged)")
+    ax.set_ylabel("certified gain of the last block / probe loss")
+    ax.legend(fontsize=8)
 
 
 # Moved to growtrain.callbacks.gamma_plot (a Lightning callback is not a figure function).

@@ -32,6 +32,7 @@ from growtrain import decision as dec
 from growtrain import probe_math as pm
 from growtrain.batches import batch_size as _batch_size
 from growtrain.batches import slice_batch as _slice
+from growtrain.batches import sample_loss_terms
 from growtrain.batches import to_device as _to_device
 from growtrain.families.base import ChannelAffineFeatures, DenseFeatures
 from growtrain.growable import Site, terminal_parameters
@@ -516,6 +517,7 @@ def measure_saturation(
     select: str = "grad_norm",
     crossfit_bound: str = "normal",
     probe_size: int | None = None,
+    sample_losses: list | None = None,
 ) -> SaturationReport:
     """Score every candidate site of ``network`` on an independent probe sample.
 
@@ -531,7 +533,7 @@ def measure_saturation(
             ``growtrain.crossfit``) or ``"relative"`` (lower bound > max(δ, τ·R), ``R`` the existing
             blocks' RMS gradient norm; see ``growtrain.decision``). The default stays the paper's
             rule here, the function that measures the paper's quantities; the decision entry points
-            (``GrowUntilSaturated``, ``growtrain measure``) default to ``"relative"``. Every rule
+            (``GrowUntilSaturated``, ``growtrain measure``) default to ``"crossfit"``. Every rule
             this pass can compute is reported in ``report.verdicts``.
         tau: ``rule="relative"`` only: the relative threshold ``τ > 0``.
         candidates: site name → candidate block (``V = 0``); fresh ones from ``seed`` if None.
@@ -544,6 +546,9 @@ def measure_saturation(
             (distribution-free up to the variance estimate) lower bound.
         probe_size: ``rule="crossfit"`` only: the number of probe samples on this rank, for a
             loader without a sized sampler or dataset (the split needs it before the pass).
+        sample_losses: a list that receives, per probe batch in loader order, each sample's term
+            of the loss (float64) of the network as it is — the ghosts output zero — from the
+            pass's own forward (``GrowUntilSaturated``'s ``min_gain`` reads it: no extra pass).
     """
     _check_arguments(network, delta, alpha, t, rule)
     _check_one_device(network)
@@ -586,7 +591,7 @@ def measure_saturation(
                 reference = _ReferenceAccumulator(network, sites) if rule == "relative" else None
                 accs, n, batches = _probe_pass(
                     network, sites, candidates, probe_loader, loss_fn, device, projected, autocast_dtype, crossfit,
-                    reference,
+                    reference, sample_losses,
                 )
         finally:
             _restore_modes(modes)
@@ -598,7 +603,8 @@ def measure_saturation(
     return _report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfit, reference, tau)
 
 
-def _probe_pass(network, sites, candidates, loader, loss_fn, device, projected, autocast_dtype, crossfit, reference):
+def _probe_pass(network, sites, candidates, loader, loss_fn, device, projected, autocast_dtype, crossfit, reference,
+                sample_losses=None):  # fmt: skip
     """Stream the probe batches; per batch one forward and one backward score every site.
 
     The forward keeps only a reference to each site's activation ``z`` (autograd saves it for
@@ -650,7 +656,10 @@ def _probe_pass(network, sites, candidates, loader, loss_fn, device, projected, 
             if in_a:
                 reference.track(True)
             with _autocast(device, autocast_dtype):
-                loss = loss_fn(network(x), y)
+                out = network(x)
+                loss = loss_fn(out, y)
+                if sample_losses is not None:
+                    sample_losses.append(sample_loss_terms(out, y, loss_fn).cpu())
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn: expected a scalar mean loss, got shape {tuple(loss.shape)}")
             if not torch.isfinite(loss):

@@ -164,7 +164,7 @@ class GrowTrainer(BaseGrowTrainer):
             t: the separation t > 0 of the paper's Proposition 1 (overrides ``alpha``).
             rule: ``paper`` (Γ̂ ≤ δ+t), ``crossfit`` (certified directional lower bound > δ) or
                 ``relative`` (that bound > max(δ, τ·R)). ``None``: the decision entry points' default,
-                as in ``GrowUntilSaturated``: ``relative``, or ``paper`` when ``t`` is given (``t``
+                as in ``GrowUntilSaturated``: ``crossfit``, or ``paper`` when ``t`` is given (``t``
                 is that rule's threshold). Every rule the pass can compute is in the report.
             tau: ``relative`` only: the relative threshold τ > 0.
             projected: also compute V_S (Gram matrices) and the realisability ratio V_S/AG. On

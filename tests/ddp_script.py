@@ -92,7 +92,9 @@ def fit(out: str, epochs: int, same_buffers: bool) -> None:
     module = ImageClassifier(width=4, num_classes=4)
     # cross-fit rule (its A/B split all-reduces mid-pass); 91 probe samples: shards of 46 and 45.
     # One growth at most, so the second check (end of epoch 1) meets the budget without probing.
-    grow = GrowUntilSaturated(monitor=None, rule="crossfit", max_growths=1, every_n_epochs=1, verbose=False)
+    # min_gain=0: every rank also scores the whole probe per sample (rank 0's losses broadcast)
+    grow = GrowUntilSaturated(monitor=None, rule="crossfit", max_growths=1, every_n_epochs=1, min_gain=0.0,
+                              verbose=False)  # fmt: skip
     snapshot = Snapshot(out, same_buffers)
     trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=epochs,
                         callbacks=[snapshot, grow, AfterCheck(out)],
@@ -106,6 +108,7 @@ def fit(out: str, epochs: int, same_buffers: bool) -> None:
         "rank": rank,
         "world_size": trainer.world_size,
         "history": grow.history,
+        "gain_reference": grow.gain_reference,
         "growth_log": module.network.growth_log,
         "param_groups": [g.get("name") for g in trainer.optimizers[0].param_groups],
         "probe_shard": [int(i) for i in shard.sampler],

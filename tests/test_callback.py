@@ -63,7 +63,7 @@ def test_grows_then_stops_at_saturation(tmp_path):
     L.seed_everything(0)
     dm, module = tiny_dm(), ImageClassifier(width=4, num_classes=4)
     depth0, params0 = module.network.depth(), sum(p.numel() for p in module.parameters())
-    grow = GrowUntilSaturated(monitor=None, rule="paper", cooldown=1, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, rule="paper", cooldown=1, min_gain=None, verbose=False)
     logger = CSVLogger(tmp_path, name="run")
     trainer = tiny_trainer(tmp_path, [grow], logger=logger, log_every_n_steps=1)
     trainer.fit(module, dm)
@@ -415,7 +415,8 @@ def test_crossfit_rule_with_alpha_spending(tmp_path, monkeypatch):
 
     monkeypatch.setattr(crossfit_module, "_bound_factor", spy)
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, rule="crossfit", delta=0.1, alpha_spending="geometric", cooldown=1, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, rule="crossfit", delta=0.1, alpha_spending="geometric", cooldown=1,
+                              min_gain=None, verbose=False)  # fmt: skip
     trainer = tiny_trainer(tmp_path, [grow])
     trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm())
     actions = [h["action"] for h in grow.history]

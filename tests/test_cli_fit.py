@@ -30,6 +30,7 @@ def tiny_fit_args(root: Path, *extra: str) -> list[str]:
         "--data.val_size=32",
         "--data.batch_size=32",
         "--model.width=4",
+        "--data.train_subset=null",  # the quickstart trains on 2000 of its images; the synthetic set has fewer
         *extra,
     ]
 
@@ -46,8 +47,9 @@ def test_fit_quickstart_config_tiny(tmp_path):
     assert hparams["optimizer"]["class_path"] == "torch.optim.SGD"  # the config, as plain data
 
     (grower,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "GrowUntilSaturated"]
-    # as shipped: checks on a validation-loss plateau, the relative rule, a final anneal
-    assert (grower.monitor, grower.rule, grower.tau, grower.on_saturated) == ("val_loss", "relative", 0.5, "anneal")
+    # as shipped: checks on a validation-loss plateau after a stage anneal, growth judged by its realized gain
+    assert (grower.monitor, grower.rule, grower.min_gain, grower.lr_schedule, grower.on_saturated) == (
+        "val_loss", "crossfit", 0.01, "anneal", "anneal")  # fmt: skip
     # a plateau needs patience=2 epochs without improvement after the first: no check before the third epoch
     assert all(h["epoch"] >= 2 and h["action"] in ("grow", "saturated", "budget") for h in grower.history)
 
@@ -60,7 +62,8 @@ trainer:
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {save_last: true, save_top_k: 0}
     - class_path: growtrain.callbacks.GrowUntilSaturated
-      init_args: {monitor: null, rule: paper, t: 1.0e-9, delta: 0.0, max_growths: 1, verbose: false}
+      init_args: {monitor: null, rule: paper, t: 1.0e-9, delta: 0.0, max_growths: 1, verbose: false,
+                  lr_schedule: continue, min_gain: null}  # (jsonargparse merges these into the quickstart's)
 """
 
 

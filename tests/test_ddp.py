@@ -115,6 +115,8 @@ def test_ranks_record_identical_checks_and_stay_in_sync(ddp_runs):
         assert r0["growth_log"] == r1["growth_log"] and len(r0["growth_log"]) == 1
         assert r0["param_groups"] == r1["param_groups"] == ["base", "growth0"]
         assert first["max_abs_change"] == 0.0 and r1["history"][0]["max_abs_change"] == 0.0  # fp32, bit-exact
+        # min_gain's per-sample losses at the growth: the whole probe (not a shard), one vector on both ranks
+        assert len(r0["gain_reference"]) == 91 and r0["gain_reference"] == r1["gain_reference"]
     assert r0["checksum"] == r1["checksum"]  # identical parameters after training on
 
 

@@ -166,9 +166,10 @@ def test_bad_options_name_the_argument(kwargs, match):
         GrowUntilSaturated(**kwargs)
 
 
-def test_defaults_tie_checks_to_convergence_and_decide_relatively():
+def test_defaults_tie_checks_to_convergence_and_judge_growth_by_its_gain():
     grow = GrowUntilSaturated()
-    assert (grow.rule, grow.monitor, grow.tau) == ("relative", "train_loss", dec.DEFAULT_TAU)
+    assert (grow.rule, grow.monitor, grow.min_gain, grow.tau) == ("crossfit", "train_loss", 0.01, dec.DEFAULT_TAU)
+    assert dec.DEFAULT_MIN_GAIN == 0.01 and GrowUntilSaturated(min_gain=None).min_gain is None
     assert GrowUntilSaturated(t=0.5).rule == "paper"  # t is the paper rule's threshold
 
 

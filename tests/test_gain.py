@@ -177,7 +177,8 @@ def test_end_of_fit_summary_shows_each_blocks_certified_gain():
     console = Console(width=200, record=True)
     console.print(table)
     text = console.export_text()
-    assert "last block's gain" in text and "-0.0123 / 0.0041" in text and "depth stopped paying" in text
+    assert "last block's gain" in text and "-0.0123" in text and "0.0041" in text and "depth stopped paying" in text
+    assert "ratio (" not in text and "margin" not in text  # no relative rule, δ = 0: columns that say nothing
 
 
 @pytest.mark.parametrize("rule", ["crossfit", "relative", "paper"])
@@ -209,3 +210,28 @@ def test_one_process_spends_no_extra_forward_pass_on_the_gain(tmp_path, monkeypa
     monkeypatch.setattr(growth_module, "per_sample_losses", no_extra_pass)
     grow = _fit(0.0, tmp_path)
     assert any("gain" in h for h in grow.history) and len(grow.gain_reference) == 120
+
+
+def test_a_check_does_not_move_the_training_random_stream(tmp_path, monkeypatch):
+    """A run whose checks probe and a run whose checks do not (a budget) train identically when
+    neither grows: each check runs on a fork of the generators, so iterating the probe loader
+    (a DataLoader draws a base seed from torch's generator) does not move the data order. The
+    negative control: with the fork disabled the same two runs end with different weights."""
+    import contextlib
+
+    def final_weights(**kw):
+        L.seed_everything(0)
+        grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, on_saturated="continue", min_gain=None,
+                                  verbose=False, **kw)  # fmt: skip
+        trainer = L.Trainer(max_epochs=3, callbacks=[grow], logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+        model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic")
+        trainer.fit(model, tiny_dm())
+        assert grow.growths == 0
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    no_probe = final_weights(max_growths=0)  # the check ends growth by budget, without probing
+    probed = final_weights(rule="crossfit", delta=1e9)  # probes, saturated: no growth either
+    assert torch.equal(no_probe, probed)
+    monkeypatch.setattr(torch.random, "fork_rng", lambda devices=None: contextlib.nullcontext())
+    assert not torch.equal(final_weights(max_growths=0), final_weights(rule="crossfit", delta=1e9))

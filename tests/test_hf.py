@@ -202,7 +202,8 @@ def test_fit_grows_the_hf_model_with_zero_state_and_resumes_at_the_grown_depth(l
         return L.Trainer(max_epochs=epochs, limit_train_batches=3, limit_val_batches=1, callbacks=[grow, ckpt], **kw)
 
     # t tiny: any nonzero Γ̂ exceeds δ + t, so every check grows (the decision itself is tested elsewhere)
-    grow = GrowUntilSaturated(rule="paper", t=1e-9, every_n_epochs=1, monitor=None, max_growths=2, verbose=False)
+    grow = GrowUntilSaturated(rule="paper", t=1e-9, every_n_epochs=1, monitor=None, max_growths=2, min_gain=None,
+                              verbose=False)
     module = HFCausalLM(str(llama_dir))
     base = {id(p) for p in module.parameters()}
     first = trainer(2, grow)
@@ -224,7 +225,8 @@ def test_fit_grows_the_hf_model_with_zero_state_and_resumes_at_the_grown_depth(l
     shutil.copy(tmp_path / "ckpt" / "last.ckpt", last)
     resumed = HFCausalLM(str(llama_dir))
     assert resumed.network.depth() == 2
-    grow2 = GrowUntilSaturated(rule="paper", t=1e-9, every_n_epochs=1, monitor=None, max_growths=2, verbose=False)
+    grow2 = GrowUntilSaturated(rule="paper", t=1e-9, every_n_epochs=1, monitor=None, max_growths=2, min_gain=None,
+                              verbose=False)
     trainer(3, grow2).fit(resumed, datamodule=_text_data(), ckpt_path=str(last))
     assert resumed.network.depth() == 4 and [r["site"] for r in resumed.network.growth_log] == [
         r["site"] for r in net.growth_log

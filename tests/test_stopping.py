@@ -84,3 +84,141 @@ def test_stopping_experiment_refuses_an_unfinished_growth_arm(tmp_path):
         run_stopping(model, tiny_dm(), trainer_kwargs=kwargs, depths=[0], seeds=[0], output_dir=tmp_path)
     with pytest.raises(ValueError, match="needs exactly one GrowUntilSaturated"):
         run_stopping(model, tiny_dm(), trainer_kwargs={"max_epochs": 1}, depths=[0], seeds=[0], output_dir=tmp_path)
+
+
+class RecordLRs(L.Callback):
+    """Every param group's lr at the start of each training epoch (what that epoch trains with)."""
+
+    def __init__(self):
+        self.lrs: list[list[float]] = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.lrs.append([g["lr"] for g in trainer.optimizers[0].param_groups])
+
+
+def _stage_anneal_fit(tmp_path, *, tau, max_epochs=20, ckpt_path=None, extra=(), **kw):
+    L.seed_everything(0)
+    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, rule="relative", tau=tau, max_growths=1,
+                              lr_schedule="anneal", on_saturated="anneal", anneal_epochs=2, verbose=False, **kw)  # fmt: skip
+    record = RecordLRs()
+    trainer = L.Trainer(max_epochs=max_epochs, callbacks=[grow, record, *extra], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        enable_checkpointing=bool(extra), default_root_dir=tmp_path)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic",
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))  # fmt: skip
+    trainer.fit(model, tiny_dm(), ckpt_path=ckpt_path)
+    return grow, record, trainer
+
+
+def _cos(k: int, total: int) -> float:
+    return 0.5 * (1 + math.cos(math.pi * (k + 1) / (total + 1)))
+
+
+def test_stage_anneal_checks_the_annealed_network_then_restarts_the_rate(tmp_path):
+    """lr_schedule="anneal": a converged stage is annealed, the check sees the annealed network,
+    a growth puts every group (old and new) back at the constant rate, and a budget at the next
+    due check starts the ordinary final anneal."""
+    grow, record, trainer = _stage_anneal_fit(tmp_path, tau=1e-9)
+    a, b = 0.1 * _cos(0, 2), 0.1 * _cos(1, 2)
+    # epochs 0-1 stage 1; 2-3 its anneal, check → grow; 4-5 stage 2; check → budget; 6-7 final anneal
+    firsts = [lrs[0] for lrs in record.lrs]
+    assert firsts == pytest.approx([0.1, 0.1, a, b, 0.1, 0.1, a, b])
+    assert trainer.current_epoch == 8 and grow.finished == "budget" and grow.growths == 1
+    assert all(lr == pytest.approx(0.1) for lr in record.lrs[4])  # the new block's group too
+    assert len(record.lrs[4]) >= len(record.lrs[0])
+    assert [h.get("annealed", False) for h in grow.history] == [True, False]
+    assert grow.history[0]["epoch"] == 3 and grow.history[0]["action"] == "grow"
+
+
+def test_stage_anneal_saturated_network_is_finished_already(tmp_path):
+    """Saturated at the check after a stage anneal: the network is annealed, so the fit stops at
+    once (no second anneal), reason "saturated"."""
+    grow, record, trainer = _stage_anneal_fit(tmp_path, tau=1e6)
+    assert trainer.current_epoch == 4 and grow.finished == "saturated" and grow.growths == 0
+    assert [lrs[0] for lrs in record.lrs] == pytest.approx([0.1, 0.1, 0.1 * _cos(0, 2), 0.1 * _cos(1, 2)])
+    assert grow.anneal_done is None and grow.history[0]["annealed"] is True
+
+
+def test_stage_anneal_survives_a_checkpoint_mid_anneal(tmp_path):
+    """Resumed from the checkpoint written inside the stage anneal, the run follows the same lrs
+    and makes the same decisions as the uninterrupted run."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    whole, whole_lrs, _ = _stage_anneal_fit(tmp_path / "whole", tau=1e-9)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    _stage_anneal_fit(tmp_path / "first", tau=1e-9, max_epochs=3, extra=[ckpt])  # stops inside the stage anneal
+    path = tmp_path / "ckpt" / "epoch=2.ckpt"
+    state = torch.load(path, weights_only=False)["callbacks"]
+    saved = next(v for k, v in state.items() if k.startswith("GrowUntilSaturated"))
+    assert (saved["anneal_kind"], saved["anneal_done"]) == ("stage", 1)
+    resumed, resumed_lrs, trainer = _stage_anneal_fit(tmp_path / "resumed", tau=1e-9, ckpt_path=path)
+    assert [lrs[0] for lrs in resumed_lrs.lrs] == pytest.approx([lrs[0] for lrs in whole_lrs.lrs[3:]])
+    assert [h["action"] for h in resumed.history] == [h["action"] for h in whole.history]
+    assert trainer.current_epoch == 8
+
+
+def test_stage_anneal_refuses_a_scheduler_before_training(tmp_path):
+    grow = GrowUntilSaturated(monitor=None, lr_schedule="anneal", verbose=False)
+    trainer = L.Trainer(max_epochs=2, callbacks=[grow], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                            lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1))  # fmt: skip
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"lr_schedule: 'anneal' drives the learning rate itself.*StepLR.*Fix"):
+        trainer.fit(model, tiny_dm())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # refused before a step
+
+
+class TenTimesTheLoss(ImageClassifier):
+    """The same model trained and probed on 10 × the cross-entropy (what a user's loss in other units does)."""
+
+    scale = 10.0
+
+    def probe_loss(self, logits, y):
+        return self.scale * torch.nn.functional.cross_entropy(logits, y)
+
+    def _shared_step(self, batch, stage):
+        x, y = batch
+        logits = self(x)
+        loss = self.scale * torch.nn.functional.cross_entropy(logits, y)
+        weight = torch.full_like(loss.detach(), y.numel(), dtype=torch.float32)
+        self.metrics[f"{stage}_loss"].update(loss.detach(), weight=weight)
+        self.log(f"{stage}_loss", self.metrics[f"{stage}_loss"], on_step=False, on_epoch=True)
+        return loss
+
+
+@pytest.mark.parametrize("rule", ["relative", "crossfit", "gain"])
+def test_a_whole_run_with_the_loss_times_ten_makes_the_same_decisions(tmp_path, rule):
+    """Run-level control: loss × 10 with lr ÷ 10 and weight decay × 10 is the same SGD trajectory,
+    so a scale-free decision must grow at the same epochs and sites with the same ratios. The
+    absolute rule with δ between the two runs' lower bounds is the negative control: it decides
+    differently on the same trajectory."""
+
+    def fit(cls, lr, wd, delta):
+        L.seed_everything(0)
+        # "gain": the default decision (cross-fit first check, then the last growth's realized gain)
+        gain = {"rule": "crossfit", "min_gain": 0.01} if rule == "gain" else {"rule": rule, "min_gain": None}
+        grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, **gain, tau=0.05, delta=delta, max_growths=2,
+                                  lr_schedule="anneal", anneal_epochs=1, on_saturated="anneal", verbose=False)  # fmt: skip
+        trainer = L.Trainer(max_epochs=9, callbacks=[grow], logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+        model = cls(width=4, num_classes=4, blocks=[1, 1, 1], family="basic",
+                    optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9, weight_decay=wd))  # fmt: skip
+        trainer.fit(model, tiny_dm())
+        return [(h["action"], h.get("site"), h.get("lower")) for h in grow.history], grow.history
+
+    plain, plain_history = fit(ImageClassifier, 0.1, 5e-4, 0.0)
+    scaled, scaled_history = fit(TenTimesTheLoss, 0.01, 5e-3, 0.0)
+    assert [a for a, _, _ in plain] == [a for a, _, _ in scaled] and len(plain) >= 2
+    assert [s for _, s, _ in plain] == [s for _, s, _ in scaled]
+    if rule == "relative":  # both kinds of decision are exercised: grow, then certified saturation
+        assert [a for a, _, _ in plain] == ["grow", "saturated"]
+    assert [None if lo is None else 10 * lo for _, _, lo in plain] == [
+        None if lo is None else pytest.approx(lo, rel=1e-3) for _, _, lo in scaled]  # None: a budget, no probe
+    if rule == "crossfit":  # δ = 3 × the unscaled run's first lower bound: grows ×10, saturates ×1
+        delta = 3 * plain[0][2]
+        assert fit(ImageClassifier, 0.1, 5e-4, delta)[0][0][0] != fit(TenTimesTheLoss, 0.01, 5e-3, delta)[0][0][0]
+    if rule == "gain":  # the gain verdict was made, on the same (×10) numbers
+        gains = [(h["gain"]["saturated"], h["gain"]["mean"]) for h in plain_history if "gain" in h]
+        assert gains and gains == [(s, pytest.approx(m / 10, rel=1e-3)) for s, m in
+                                   ((h["gain"]["saturated"], h["gain"]["mean"]) for h in scaled_history if "gain" in h)]

@@ -32,7 +32,8 @@ from growtrain import decision as dec
 from growtrain.callbacks import telemetry
 from growtrain.callbacks.growth_config import GrowthConfig
 from growtrain.callbacks.probe_data import (
-    ProbeView, check_split_indices, datasets_of, eval_output, first_input, loaders_of, probe_overlap, shard_loader,
+    ProbeView, check_split_indices, datasets_of, eval_output, first_input, loaders_of, per_sample_losses, probe_overlap,
+    shard_loader,
 )  # fmt: skip
 from growtrain.batches import to_device
 from growtrain.crossfit import probe_size
@@ -87,9 +88,10 @@ class GrowUntilSaturated(Callback):
         trainer.fit(ImageClassifier(in_channels=1), ImageDataModule())
 
     By default a check runs when the training loss has plateaued (the current stage has
-    converged) and decides with the relative rule: grow only when a new block's certified
-    first-order value is at least ``tau`` times that of an average existing block
-    (docs/decision.md). Your own LightningModule: keep the growable network as a submodule
+    converged); the first check grows where a new block certifies first-order gain, and every
+    later one grows again only if the last block lowered the held-out probe loss by a certified
+    more than ``min_gain`` (1 %) of it (docs/decision.md). For a constant-rate optimizer,
+    ``lr_schedule="anneal"`` checks annealed stages (the measured protocol of the shipped configs). Your own LightningModule: keep the growable network as a submodule
     (``cifar_resnet``, ``GrowableStack``), add ``GrowableModuleMixin`` for checkpoints, build
     the optimizer from ``growtrain.optim.param_groups(network)`` so resumed runs line up, log
     ``train_loss`` per epoch, and give the callback a probe (``probe=`` or
@@ -113,7 +115,7 @@ class GrowUntilSaturated(Callback):
         min_delta: smallest absolute change of ``monitor`` that counts as an improvement.
         min_rel_delta: smallest change relative to the best value (0.01 = 1 %) that counts as an
             improvement; the larger of the two applies. Relative, so a loss scaled by 10 makes
-            the same plateaus (and, with the relative rule, the same decisions).
+            the same plateaus (and, with a scale-free decision, the same decisions).
         min_stage_epochs: a stage (epochs since the start or the last growth) must be at least
             this long before a plateau check.
         cooldown: training epochs after each growth during which no check runs.
@@ -125,11 +127,21 @@ class GrowUntilSaturated(Callback):
         alpha: target error probability in (0, 1) for each decision (or the run's total with
             ``alpha_spending``).
         t: the separation of Proposition 1; giving it selects the paper's rule.
-        rule: ``"relative"`` (default: lower bound > max(δ, τ·R)), ``"crossfit"`` (lower bound
-            > δ) or ``"paper"`` (Γ̂ > δ + t). All verdicts the pass can compute are reported at
+        rule: ``"crossfit"`` (default: lower bound > δ), ``"relative"`` (lower bound
+            > max(δ, τ·R)) or ``"paper"`` (Γ̂ > δ + t); with ``min_gain`` it decides the first
+            check and picks the site. All verdicts the pass can compute are reported at
             every check (``history[i]["verdicts"]``).
         tau: the relative rule's threshold τ > 0: the fraction of an average existing block's
             gradient norm ``R`` that a new block must certify.
+        min_gain: a fraction ≥ 0 (default 0.01) or ``None`` (off): judge growth by what it realized. The first
+            check decides by ``rule``; every check after a growth grows again (at the site with
+            the rule's best score) iff the last growth *paid*: the probe loss fell from the check
+            that grew to this one by a certified (one-sided, level α, paired over the probe
+            samples) amount of more than ``min_gain`` × the probe loss at that growth; otherwise
+            the run is saturated ("depth stopped paying"). One extra forward pass over the probe
+            per check, no backward. Scale-free (both sides scale with the loss). Why: on an
+            annealed network the first-order statistics sit at their noise floor at every depth
+            (docs/decision.md).
         alpha_spending: ``"constant"`` (every check at level α; with stop-at-first-saturated the
             checks are a fixed-sequence procedure), ``"geometric"`` or ``"inverse_square"``
             (all checks together err with probability ≤ α; ``growtrain.crossfit.alpha_schedule``).
@@ -141,7 +153,14 @@ class GrowUntilSaturated(Callback):
             current value to 0, then stops (also after a budget), so one fit yields a finished model.
         anneal_epochs: the length of that final anneal.
         lr_schedule: after growth, new groups ``"continue"`` on the current schedule, or every
-            scheduler ``"restart"`` s from step 0 for the new stage.
+            scheduler ``"restart"`` s from step 0 for the new stage; or ``"anneal"``: the callback
+            drives the learning rate (no scheduler allowed): each stage trains at the optimizer's
+            constant rate until it has converged, the rate is then cosine-annealed towards 0 over
+            ``anneal_epochs``, the *annealed* network is checked, and after a growth the new stage
+            starts at the constant rate again (warm restarts). A saturated network is then
+            already annealed, so ``on_saturated="anneal"`` stops at once. Why: at a constant rate
+            the stage sits on SGD's noise floor and the probe gradients of old and new terminal
+            maps are of one size, whatever the depth (docs/decision.md).
         projected: also compute ``V_S`` (Gram matrices; logged, not needed by the decision).
         calibrate: set candidate blocks' BatchNorm statistics on the probe inputs first.
         seed: candidate blocks for check ``k`` come from ``seed·1000 + k``.
@@ -173,6 +192,7 @@ class GrowUntilSaturated(Callback):
         t: float | None = None,
         rule: Literal["paper", "crossfit", "relative"] | None = None,
         tau: float = dec.DEFAULT_TAU,
+        min_gain: float | None = dec.DEFAULT_MIN_GAIN,
         alpha_spending: Literal["constant", "geometric", "inverse_square"] = "constant",
         top_k: int = 1,
         max_growths: int | None = None,
@@ -180,7 +200,7 @@ class GrowUntilSaturated(Callback):
         max_params: int | None = None,
         on_saturated: Literal["stop", "continue", "anneal"] = "stop",
         anneal_epochs: int = 10,
-        lr_schedule: Literal["continue", "restart"] = "continue",
+        lr_schedule: Literal["continue", "restart", "anneal"] = "continue",
         projected: bool = False,
         calibrate: bool = True,
         seed: int = 0,
@@ -197,6 +217,7 @@ class GrowUntilSaturated(Callback):
         self._loss: Callable | None = None
         self._reset_state()
         self.probe_seconds = 0.0  # wall time inside measure_saturation, this process (not saved)
+        self._pass_losses: list | None = None  # per-sample probe losses from the last pass (min_gain)
         self._fit_start = 0.0
 
     def _reset_state(self) -> None:
@@ -215,8 +236,10 @@ class GrowUntilSaturated(Callback):
         self.stop_reason: str | None = None
         self.restart_pending = False
         self.start_depth: int | None = None
-        self.anneal_done: int | None = None  # epochs of the final anneal done (None: not annealing)
+        self.anneal_done: int | None = None  # epochs of the running anneal done (None: not annealing)
+        self.anneal_kind: str | None = None  # "stage" (before a check) or "final" (after growth ended)
         self.anneal_base_lrs: list[float] = []
+        self.gain_reference: list[float] | None = None  # per-sample probe losses at the last growth
 
     # -- checkpoint state ------------------------------------------------------------------
     _STATE_INTS = ("checks", "growths", "inserted", "alpha_index", "wait", "cooldown_left", "epochs_since_check",
@@ -226,7 +249,8 @@ class GrowUntilSaturated(Callback):
         state = {k: getattr(self, k) for k in self._STATE_INTS}
         state.update(history=self.history, best=self.best, finished=self.finished, stop_reason=self.stop_reason,
                      restart_pending=self.restart_pending, start_depth=self.start_depth,
-                     anneal_done=self.anneal_done, anneal_base_lrs=self.anneal_base_lrs)  # fmt: skip
+                     anneal_done=self.anneal_done, anneal_kind=self.anneal_kind,
+                     anneal_base_lrs=self.anneal_base_lrs, gain_reference=self.gain_reference)  # fmt: skip
         return telemetry.plain(state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -240,7 +264,10 @@ class GrowUntilSaturated(Callback):
         self.restart_pending = bool(state_dict.get("restart_pending", False))
         self.start_depth = state_dict.get("start_depth")
         self.anneal_done = state_dict.get("anneal_done")
+        self.anneal_kind = state_dict.get("anneal_kind", "final" if self.anneal_done is not None else None)
         self.anneal_base_lrs = [float(v) for v in state_dict.get("anneal_base_lrs", [])]
+        reference = state_dict.get("gain_reference")
+        self.gain_reference = None if reference is None else [float(v) for v in reference]
 
     # -- setup: refuse early ------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -269,6 +296,7 @@ class GrowUntilSaturated(Callback):
             self._network = self._resolve_network(pl_module, required=True)
         if self.start_depth is None:
             self.start_depth = self._depth(self._network)
+        self._check_lr_schedule(trainer)
         probe = self._probe_loader(trainer)
         probe_ds = getattr(probe, "dataset", None)
         for ds in datasets_of(trainer.train_dataloader):
@@ -279,6 +307,20 @@ class GrowUntilSaturated(Callback):
                     "probe independent of training. Fix: carve the probe out of the training split (e.g. "
                     "ImageDataModule's probe_size) and never train on it."
                 )
+
+    def _check_lr_schedule(self, trainer: Trainer) -> None:
+        if self.lr_schedule != "anneal" or (self.finished is not None and self.anneal_done is None):
+            return
+        optimizer = self._optimizer_for(trainer, self._network)
+        schedulers = [type(c.scheduler).__name__ for c in trainer.strategy.lr_scheduler_configs
+                      if optimizer is not None and c.scheduler.optimizer is optimizer]  # fmt: skip
+        if schedulers:
+            raise ValueError(
+                f"lr_schedule: 'anneal' drives the learning rate itself (constant per stage, an anneal before each "
+                f"check), but the network's optimizer has a scheduler ({', '.join(schedulers)}) that would fight it. "
+                "Fix: return no lr_scheduler from configure_optimizers, or use lr_schedule='restart' to restart "
+                "your schedule per stage."
+            )
 
     def _check_strategy(self, trainer: Trainer) -> None:
         strategy = trainer.strategy
@@ -315,7 +357,7 @@ class GrowUntilSaturated(Callback):
     def _resolve_loss(self, pl_module: LightningModule) -> Callable:
         return probe_loss_for(pl_module, self.loss_fn)
 
-    def _probe_loader(self, trainer: Trainer) -> Any:
+    def _probe_loader(self, trainer: Trainer, shard: bool = True) -> Any:
         source = self.probe
         if source is None:
             loader = trainer.datamodule.probe_dataloader()
@@ -323,7 +365,7 @@ class GrowUntilSaturated(Callback):
             loader = source
         else:
             loader = source()
-        return shard_loader(loader, trainer.global_rank, trainer.world_size)
+        return shard_loader(loader, trainer.global_rank, trainer.world_size) if shard else loader
 
     # -- hooks -----------------------------------------------------------------------------
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -335,7 +377,11 @@ class GrowUntilSaturated(Callback):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.anneal_done is not None:
             self.anneal_done += 1
-            if self.anneal_done >= self.anneal_epochs:
+            if self.anneal_done < self.anneal_epochs:
+                return
+            if self.anneal_kind == "stage":  # the converged stage is annealed: check it now
+                self._check_annealed(trainer, pl_module)
+            else:
                 trainer.should_stop = True
             return
         if self.finished is not None:
@@ -356,8 +402,41 @@ class GrowUntilSaturated(Callback):
         )  # fmt: skip
         if trainer.world_size > 1:
             check = trainer.strategy.reduce_boolean_decision(check, all=False)
-        if check:
+        if not check:
+            return
+        # lr_schedule="anneal": anneal the converged stage first (unless a budget already ends
+        # growth: then the final anneal follows the check, the same single anneal)
+        annealing = self.lr_schedule == "anneal" and self._budget_reason() is None
+        if not (annealing and self._start_anneal(trainer, "stage")):
             self._check(trainer, pl_module)
+
+    def _budget_reason(self) -> str | None:
+        network = self._network
+        return dec.budget_reason(
+            growths=self.growths, max_growths=self.max_growths, depth=self._depth(network), max_blocks=self.max_blocks,
+            params=telemetry.count_params(network), max_params=self.max_params,
+        )  # fmt: skip
+
+    def _check_annealed(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """End of a stage anneal: check the annealed network; back to the constant rate for a new
+        stage (after a growth) or for ``on_saturated="continue"``."""
+        # The rate goes back up before the check: the new block's groups copy their reference
+        # group's current rate, so they start the new stage at the constant rate too. (After a
+        # saturated check the run stops, or continues at that rate with on_saturated="continue".)
+        optimizer = self._optimizer_for(trainer, self._network)
+        if optimizer is not None:
+            for group, base in zip(optimizer.param_groups, self.anneal_base_lrs):
+                group["lr"] = base
+        self.anneal_done, self.anneal_kind, self.anneal_base_lrs = None, None, []
+        self._check(trainer, pl_module, annealed=True)
+
+    def _start_anneal(self, trainer: Trainer, kind: str) -> bool:
+        optimizer = self._optimizer_for(trainer, self._network)
+        if optimizer is None:
+            return False
+        self.anneal_done, self.anneal_kind = 0, kind
+        self.anneal_base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        return True
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not (self.verbose and trainer.is_global_zero) or self._network is None:
@@ -406,7 +485,25 @@ class GrowUntilSaturated(Callback):
         return plateaued
 
     # -- one check -------------------------------------------------------------------------
-    def _check(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def _check(self, trainer: Trainer, pl_module: LightningModule, annealed: bool = False) -> str:
+        """One check, on a fork of the random number generators: iterating the probe loader
+        draws from torch's global generator (each DataLoader iterator takes a base seed), so
+        without the fork a check would move the training data order and augmentation of the
+        rest of the run — and two decision settings would train differently before they first
+        decide differently. Candidate blocks have their own seed (``seed``)."""
+        device = self._network_device()
+        devices = []
+        if device.type == "cuda":
+            devices = [device.index if device.index is not None else torch.cuda.current_device()]
+        with torch.random.fork_rng(devices=devices):
+            return self._check_unforked(trainer, pl_module, annealed)
+
+    def _network_device(self) -> torch.device:
+        for p in self._network.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    def _check_unforked(self, trainer: Trainer, pl_module: LightningModule, annealed: bool = False) -> str:
         network = self._network
         assert network is not None
         self.epochs_since_check = 0
@@ -417,10 +514,9 @@ class GrowUntilSaturated(Callback):
             "check": self.checks, "epoch": trainer.current_epoch, "step": trainer.global_step,
             "depth_before": depth, "params_before": params, "level": None,
         }  # fmt: skip
-        blocked = dec.budget_reason(
-            growths=self.growths, max_growths=self.max_growths, depth=depth, max_blocks=self.max_blocks,
-            params=params, max_params=self.max_params,
-        )  # fmt: skip
+        if annealed:
+            record["annealed"] = True
+        blocked = self._budget_reason()
         report = None
         if blocked is not None:  # known before probing: save the probe
             action, reason, sites = "budget", blocked, []
@@ -433,23 +529,67 @@ class GrowUntilSaturated(Callback):
                 max_growths=self.max_growths, depth=depth, max_blocks=self.max_blocks, params=params,
                 max_params=self.max_params, reason=report.reason,
             )  # fmt: skip
+            if self.min_gain is not None:
+                losses, gain = self._last_growth_paid(trainer, pl_module, network, record["level"])
+                if gain is not None:  # after a growth its realized gain decides; the rule picks the site
+                    record["gain"] = gain
+                    best = dec.best_scored_site(report)
+                    action, reason, sites = dec.decide_growth(
+                        saturated=gain["saturated"], ranked=[best] if best else [], growths=self.growths,
+                        block_params={best: telemetry.count_params(report.record(best).block)} if best else {},
+                        max_growths=self.max_growths, depth=depth, max_blocks=self.max_blocks, params=params,
+                        max_params=self.max_params, reason=gain["reason"],
+                    )  # fmt: skip
+                if action == "grow":  # the function is preserved: these are the new stage's starting losses
+                    self.gain_reference = losses.tolist()
         if action == "grow":
             record.update(self._grow(trainer, pl_module, network, report, sites))
         else:
-            self._finish(trainer, "saturated" if action == "saturated" else "budget", reason)
+            self._finish(trainer, "saturated" if action == "saturated" else "budget", reason, annealed)
         record.update(telemetry.check_record(report, action, reason, sites, network, self._depth(network),
                                              self.log_sites))  # fmt: skip
+        if "gain" in record and isinstance(record.get("verdicts"), dict):
+            record["verdicts"]["gain"] = record["gain"]
         self.history.append(telemetry.plain(record))
         self._emit(trainer, report, record)
+        return action
 
-    def _finish(self, trainer: Trainer, why: str, reason: str) -> None:
-        """Growth has ended: stop, continue at this depth, or start the final anneal."""
+    def _last_growth_paid(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module,
+                          level: float) -> tuple[torch.Tensor, dict | None]:  # fmt: skip
+        """The probe's per-sample losses now and, after a growth, the verdict on that growth.
+
+        On one process they come from the probe pass's own forward (the ghosts output zero).
+        Under DDP every rank scores the whole probe (not its shard) in one extra forward pass and
+        takes rank 0's vector, so the stored losses and the decision are the same on every rank
+        and after a resume."""
+        if self._pass_losses:  # one process: the probe pass's own forward (no extra pass)
+            losses = torch.cat(self._pass_losses)
+        else:
+            start = time.perf_counter()
+            device = next(network.parameters()).device
+            loader = _Converted(self._probe_loader(trainer, shard=False), trainer)
+            losses = per_sample_losses(ProbeView(pl_module, network), loader, self._loss, device)
+            if trainer.world_size > 1:  # one decision on every rank, even if a GPU kernel is not bit-reproducible
+                losses = trainer.strategy.broadcast(losses, src=0)
+            self.probe_seconds += time.perf_counter() - start
+        self._pass_losses = None
+        if self.gain_reference is None:
+            return losses, None
+        before = torch.tensor(self.gain_reference, dtype=torch.float64)
+        mean, se, n, before_mean = dec.paired_gain(before, losses)
+        verdict = dec.gain_verdict(mean, se, before_mean, min_gain=self.min_gain, level=level)
+        return losses, {**verdict.to_dict(), "mean": mean, "se": se, "n": n, "loss_before": before_mean,
+                        "loss_now": float(losses.mean())}  # fmt: skip
+
+    def _finish(self, trainer: Trainer, why: str, reason: str, annealed: bool = False) -> None:
+        """Growth has ended: stop, continue at this depth, or start the final anneal (unless the
+        stage anneal before this check already annealed the final network)."""
         self.finished, self.stop_reason = why, reason
-        if self.on_saturated == "anneal":
-            optimizer = self._optimizer_for(trainer, self._network)
-            if optimizer is not None:
-                self.anneal_done = 0
-                self.anneal_base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        if self.on_saturated == "anneal" and annealed:
+            trainer.should_stop = True
+            rank_zero_info(f"GrowUntilSaturated: growth ended ({why}) on the annealed network; stopping")
+        elif self.on_saturated == "anneal":
+            if self._start_anneal(trainer, "final"):
                 rank_zero_info(f"GrowUntilSaturated: growth ended ({why}); annealing the learning rate to 0 over "
                                f"{self.anneal_epochs} epoch(s), then stopping")  # fmt: skip
         elif why == "saturated" and self.on_saturated == "stop":
@@ -457,8 +597,8 @@ class GrowUntilSaturated(Callback):
             rank_zero_info(f"GrowUntilSaturated: stopping training at epoch {trainer.current_epoch}: {reason}")
 
     def _set_anneal_lr(self, trainer: Trainer) -> None:
-        """The final anneal: ``lr = base · ½(1 + cos(π·(k+1)/(T+1)))`` in epoch ``k`` of ``T``; the
-        network's schedulers are set aside, so the user's schedule does not fight it."""
+        """An anneal (stage or final): ``lr = base · ½(1 + cos(π·(k+1)/(T+1)))`` in epoch ``k`` of
+        ``T``; the network's schedulers are set aside, so the user's schedule does not fight it."""
         optimizer = self._optimizer_for(trainer, self._network)
         if optimizer is None:
             return
@@ -485,11 +625,15 @@ class GrowUntilSaturated(Callback):
         # The split of the cross-fit rules needs the sample count before the pass: read it from the
         # loader itself, since the precision wrapper below hides its sampler.
         size = probe_size(loader) if self.rule != "paper" else None
+        # min_gain's per-sample losses come from this pass's own forward on one process; under
+        # DDP each rank sees only its shard, so _last_growth_paid scores the whole probe instead
+        self._pass_losses = [] if self.min_gain is not None and trainer.world_size == 1 else None
         start = time.perf_counter()
         report = measure_saturation(
             ProbeView(pl_module, network), _Converted(loader, trainer), self._loss, delta=self.delta, alpha=level,
             t=self.t, projected=self.projected, rule=self.rule, tau=self.tau, seed=self.seed * 1000 + self.checks,
             calibrate=self.calibrate, autocast_dtype=self._autocast_dtype(trainer), sync_fn=sync_fn, probe_size=size,
+            sample_losses=self._pass_losses,
         )  # fmt: skip
         self.probe_seconds += time.perf_counter() - start
         self.checks += 1

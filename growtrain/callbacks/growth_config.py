@@ -14,14 +14,17 @@ from typing import Any, Callable, Iterable, Literal, Sequence
 from torch import nn
 from torch.utils.data import DataLoader
 
-from growtrain.decision import DEFAULT_RULE, DEFAULT_TAU, RULES, check_tau
-from growtrain.reconfigure import LR_SCHEDULES
+from growtrain.decision import DEFAULT_MIN_GAIN, DEFAULT_RULE, DEFAULT_TAU, RULES, check_min_gain, check_tau
+from growtrain.reconfigure import LR_SCHEDULES as _SCHEDULER_MODES
 
-__all__ = ["GrowthConfig", "ON_SATURATED", "ALPHA_SPENDING", "MODES"]
+__all__ = ["GrowthConfig", "ON_SATURATED", "ALPHA_SPENDING", "MODES", "LR_SCHEDULES"]
 
 ON_SATURATED = ("stop", "continue", "anneal")
 ALPHA_SPENDING = ("constant", "geometric", "inverse_square")  # growtrain.crossfit.alpha_schedule's names
 MODES = ("min", "max")
+# "continue"/"restart": what the user's schedulers do after a growth; "anneal": the callback drives
+# the learning rate itself (constant per stage, a cosine anneal before each check, back up after a growth).
+LR_SCHEDULES = (*_SCHEDULER_MODES, "anneal")
 
 
 def _bad(arg: str, expected: str, given: Any, fix: str) -> ValueError:
@@ -68,6 +71,7 @@ class GrowthConfig:
     t: float | None = None
     rule: Literal["paper", "crossfit", "relative"] | None = None
     tau: float = DEFAULT_TAU
+    min_gain: float | None = DEFAULT_MIN_GAIN
     alpha_spending: Literal["constant", "geometric", "inverse_square"] = "constant"
     top_k: int = 1
     max_growths: int | None = None
@@ -75,7 +79,7 @@ class GrowthConfig:
     max_params: int | None = None
     on_saturated: Literal["stop", "continue", "anneal"] = "stop"
     anneal_epochs: int = 10
-    lr_schedule: Literal["continue", "restart"] = "continue"
+    lr_schedule: Literal["continue", "restart", "anneal"] = "continue"
     projected: bool = False
     calibrate: bool = True
     seed: int = 0
@@ -116,6 +120,7 @@ class GrowthConfig:
             object.__setattr__(self, "rule", rule := "paper" if self.t is not None else DEFAULT_RULE)
         _choice("rule", rule, RULES)
         object.__setattr__(self, "tau", check_tau(self.tau))
+        object.__setattr__(self, "min_gain", check_min_gain(self.min_gain))
         if self.t is not None and rule != "paper":
             warnings.warn(f"GrowUntilSaturated: t only sets the paper rule's threshold; rule={rule!r} decides by its "
                           "lower bound at level alpha, so t changes the reported figures only.", UserWarning,

@@ -171,6 +171,27 @@ def eval_output(view: ProbeView, x: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out[0]
 
 
+@torch.no_grad()
+def per_sample_losses(view: ProbeView, loader: Iterable, loss_fn: Any, device: torch.device) -> torch.Tensor:
+    """Every probe sample's loss under the network in eval mode, in the loader's order (float64).
+
+    ``loss_fn`` is the probe's mean-over-samples loss; calling it on one sample's slice of the
+    output gives that sample's term of the mean (for a language model: a sequence's token mean)."""
+    from growtrain.batches import sample_loss_terms, to_device
+
+    modes = [(m, m.training) for m in view.modules()]
+    view.eval()
+    losses = []
+    try:
+        for batch in loader:
+            x, y = to_device(batch[0], device), to_device(batch[-1], device)
+            losses.append(sample_loss_terms(view(x), y, loss_fn).cpu())
+    finally:
+        for m, was in modes:
+            m.training = was
+    return torch.cat(losses) if losses else torch.zeros(0, dtype=torch.float64)
+
+
 def check_split_indices(dm: Any) -> None:
     """A datamodule's ``probe_indices`` and ``train_indices`` must not share a sample."""
     train = getattr(dm, "train_indices", None)

@@ -146,11 +146,27 @@ def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: in
     from rich.table import Table
 
     table = Table(title=f"GrowUntilSaturated: depth {_fmt(start_depth)} → {_fmt(final_depth)}", title_justify="left")
-    for col in ("check", "epoch", "depth", "action", "site", "lower bound", "margin", "ratio (×R)"):
-        table.add_column(col, justify="right" if col not in ("action", "site") else "left")
+    # Only the columns that say something for this run (one screen, 80 columns): the margin when
+    # it is not 0 (δ, τ·R), the ratio with the relative rule, the gain once a growth was judged.
+    cells = {
+        "check": lambda h: str(h.get("check")), "epoch": lambda h: str(h.get("epoch")),
+        "depth": lambda h: _fmt(h.get("depth_before")), "action": lambda h: str(h.get("action")),
+        "site": lambda h: _fmt(h.get("site")), "lower bound": lambda h: _fmt(h.get("lower"), ".3g"),
+        "margin": lambda h: _fmt(h.get("margin")), "ratio (×R)": lambda h: _fmt(h.get("ratio"), ".3g"),
+        # min_gain: the certified gain of the block grown at the previous check, and what it needed
+        "last block's gain ≥": lambda h: _fmt(h["gain"]["score"], ".3g") if h.get("gain") else "–",
+        "needed": lambda h: _fmt(h["gain"]["margin"], ".3g") if h.get("gain") else "–",
+    }  # fmt: skip
+    shown = {
+        "margin": any(h.get("margin") for h in history),
+        "ratio (×R)": any(h.get("ratio") is not None for h in history),
+        "last block's gain ≥": any(h.get("gain") for h in history), "needed": any(h.get("gain") for h in history),
+    }  # fmt: skip
+    columns = [c for c in cells if shown.get(c, True)]
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("action", "site") else "right")
     for h in history:
-        table.add_row(str(h.get("check")), str(h.get("epoch")), _fmt(h.get("depth_before")), str(h.get("action")),
-                      _fmt(h.get("site")), _fmt(h.get("lower")), _fmt(h.get("margin")), _fmt(h.get("ratio"), ".3g"))  # fmt: skip
+        table.add_row(*(cells[c](h) for c in columns))
     why = {None: "growth had not ended when the fit stopped (max_epochs or another callback)",
            "saturated": "certified saturation", "budget": "a growth budget"}.get(finished, str(finished))  # fmt: skip
     lines = [f"stopped growing: {why}" + (f" — {stop_reason}" if stop_reason else "")]

@@ -17,7 +17,8 @@ whose mean test loss is within one standard error of the best depth's; per growt
 depth, why it stopped, test loss and compute (FLOPs, wall time) beside scratch at ``d*`` and the
 whole sweep's cost. Rows are resumable (``runs.jsonl``): rerunning the same command skips done
 rows. ``stopping.png`` draws the sweep's test loss against depth with the found depths marked,
-and the relative rule's ratio trace of the first growth seed.
+and each growth seed's certified gain per check (with ``min_gain``; else the first seed's
+relative-rule ratio).
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ from growtrain.experiments.runs import (
 
 __all__ = ["StoppingResult", "run_stopping", "smallest_good_depth"]
 
-# GrowUntilSaturated options that change only the growth decision, not a scratch run.
+# GrowUntilSaturated options that change only the growth decision, not a scratch run (a scratch run
+# never grows, so what happens to the learning rate around a growth, lr_schedule, does not touch it).
 DECISION_OPTIONS = ("rule", "tau", "alpha", "delta", "t", "alpha_spending", "top_k", "max_growths", "max_blocks",
-                    "max_params", "calibrate", "projected", "seed", "log_sites", "probe_budget")  # fmt: skip
+                    "max_params", "calibrate", "projected", "seed", "log_sites", "probe_budget",
+                    "lr_schedule", "min_gain")  # fmt: skip
 
 
 def smallest_good_depth(by_depth: dict[int, list[float]]) -> tuple[int, int]:
