@@ -177,7 +177,7 @@ def test_end_of_fit_summary_shows_each_blocks_certified_gain():
     console = Console(width=200, record=True)
     console.print(table)
     text = console.export_text()
-    assert "last block's gain" in text and "-0.0123" in text and "0.0041" in text and "depth stopped paying" in text
+    assert "gain ≥" in text and "need" in text and "-0.0123" in text and "0.0041" in text and "depth stopped paying" in text
     assert "ratio (" not in text and "margin" not in text  # no relative rule, δ = 0: columns that say nothing
 
 

@@ -5,9 +5,10 @@ the state a check sees under `lr_schedule="anneal"`. Measuring the ratio (best c
 bound / R) on each final checkpoint shows how the decision statistic moves with depth at no
 training cost, and where a threshold would cut the sweep.
 
-    python experiments/explore/annealed_ratio.py runs/stopping2 --out runs/explore/annealed_ratio.json
+    python experiments/explore/annealed_ratio.py runs/stopping --out runs/explore/annealed_ratio_old.json --probe_seeds 0 1 2
 
-Results are in docs/results.md ("Stop where depth stops paying").
+(runs/stopping: the scratch sweep at 3, 6, 9, 12 blocks × seeds 0, 1.) The rows are in
+docs/results/stopping/annealed_ratio.json; the table in docs/decision.md.
 """
 import argparse, json, glob, re, time
 from pathlib import Path

@@ -133,15 +133,15 @@ class GrowUntilSaturated(Callback):
             every check (``history[i]["verdicts"]``).
         tau: the relative rule's threshold τ > 0: the fraction of an average existing block's
             gradient norm ``R`` that a new block must certify.
-        min_gain: a fraction ≥ 0 (default 0.01) or ``None`` (off): judge growth by what it realized. The first
-            check decides by ``rule``; every check after a growth grows again (at the site with
-            the rule's best score) iff the last growth *paid*: the probe loss fell from the check
-            that grew to this one by a certified (one-sided, level α, paired over the probe
-            samples) amount of more than ``min_gain`` × the probe loss at that growth; otherwise
-            the run is saturated ("depth stopped paying"). One extra forward pass over the probe
-            per check, no backward. Scale-free (both sides scale with the loss). Why: on an
-            annealed network the first-order statistics sit at their noise floor at every depth
-            (docs/decision.md).
+        min_gain: a fraction ≥ 0 (default 0.01) or ``None`` (off): judge growth by what it
+            realized. The first check decides by ``rule``; every check after a growth grows again
+            (at the site with the rule's best score) iff the last growth *paid*: the probe loss
+            fell from the check that grew to this one by a certified (one-sided, level α, paired
+            over the probe samples) amount of more than ``min_gain`` × the probe loss at that
+            growth; otherwise the run is saturated ("depth stopped paying"). The per-sample
+            losses come from the probe pass itself (under DDP: one extra forward pass). Scale-free
+            (both sides scale with the loss). Why: on an annealed network the first-order
+            statistics sit at their noise floor at every depth (docs/decision.md).
         alpha_spending: ``"constant"`` (every check at level α; with stop-at-first-saturated the
             checks are a fixed-sequence procedure), ``"geometric"`` or ``"inverse_square"``
             (all checks together err with probability ≤ α; ``growtrain.crossfit.alpha_schedule``).

@@ -153,18 +153,20 @@ def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: in
         "depth": lambda h: _fmt(h.get("depth_before")), "action": lambda h: str(h.get("action")),
         "site": lambda h: _fmt(h.get("site")), "lower bound": lambda h: _fmt(h.get("lower"), ".3g"),
         "margin": lambda h: _fmt(h.get("margin")), "ratio (×R)": lambda h: _fmt(h.get("ratio"), ".3g"),
-        # min_gain: the certified gain of the block grown at the previous check, and what it needed
-        "last block's gain ≥": lambda h: _fmt(h["gain"]["score"], ".3g") if h.get("gain") else "–",
-        "needed": lambda h: _fmt(h["gain"]["margin"], ".3g") if h.get("gain") else "–",
+        # min_gain: the certified gain of the block grown at the previous check ("gain ≥": its
+        # lower bound), and what it needed to pay (min_gain × the probe loss at that growth)
+        "gain ≥": lambda h: _fmt(h["gain"]["score"], ".3g") if h.get("gain") else "–",
+        "need": lambda h: _fmt(h["gain"]["margin"], ".3g") if h.get("gain") else "–",
     }  # fmt: skip
     shown = {
         "margin": any(h.get("margin") for h in history),
         "ratio (×R)": any(h.get("ratio") is not None for h in history),
-        "last block's gain ≥": any(h.get("gain") for h in history), "needed": any(h.get("gain") for h in history),
+        "gain ≥": any(h.get("gain") for h in history), "need": any(h.get("gain") for h in history),
     }  # fmt: skip
     columns = [c for c in cells if shown.get(c, True)]
-    for col in columns:
-        table.add_column(col, justify="left" if col in ("action", "site") else "right")
+    for col in columns:  # "saturated" in full: the action is the row's point
+        table.add_column(col, justify="left" if col in ("action", "site") else "right",
+                         min_width=9 if col == "action" else None)  # fmt: skip
     for h in history:
         table.add_row(*(cells[c](h) for c in columns))
     why = {None: "growth had not ended when the fit stopped (max_epochs or another callback)",
