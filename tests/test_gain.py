@@ -235,3 +235,33 @@ def test_a_check_does_not_move_the_training_random_stream(tmp_path, monkeypatch)
     assert torch.equal(no_probe, probed)
     monkeypatch.setattr(torch.random, "fork_rng", lambda devices=None: contextlib.nullcontext())
     assert not torch.equal(final_weights(max_growths=0), final_weights(rule="crossfit", delta=1e9))
+
+
+def test_a_probe_that_changes_between_checks_is_a_clear_error(tmp_path):
+    """The paired gain needs the same probe samples at every check: a probe callable that
+    returns another sample after the growth is refused by name, before any decision."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    L.seed_everything(0)
+    dm = tiny_dm()
+    dm.setup("fit")
+    x, y = (torch.cat(t) for t in zip(*dm.probe_dataloader()))
+    size = {"n": 120}
+
+    def probe():
+        return DataLoader(TensorDataset(x[: size["n"]], y[: size["n"]]), batch_size=32)
+
+    class ShrinkAfterFirstGrowth(L.Callback):  # runs after the grower's epoch-end hook
+        def on_train_epoch_end(self, trainer, pl_module):
+            if grow.growths:
+                size["n"] = 100
+
+    grow = GrowUntilSaturated(probe=probe, monitor=None, every_n_epochs=1, rule="paper", t=1e-12, min_gain=0.0,
+                              verbose=False)  # fmt: skip
+    trainer = L.Trainer(max_epochs=4, callbacks=[grow, ShrinkAfterFirstGrowth()], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic")
+    with pytest.raises(ValueError, match=r"probe: min_gain pairs every probe sample's loss.*120 samples.*100 now.*Fix"):
+        trainer.fit(model, dm)
+    assert grow.growths == 1 and model.network.depth() == 4  # the failing check grew nothing

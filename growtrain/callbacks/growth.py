@@ -91,7 +91,8 @@ class GrowUntilSaturated(Callback):
     converged); the first check grows where a new block certifies first-order gain, and every
     later one grows again only if the last block lowered the held-out probe loss by a certified
     more than ``min_gain`` (1 %) of it (docs/decision.md). For a constant-rate optimizer,
-    ``lr_schedule="anneal"`` checks annealed stages (the measured protocol of the shipped configs). Your own LightningModule: keep the growable network as a submodule
+    ``lr_schedule="anneal"`` checks annealed stages (the measured protocol of the shipped
+    configs). Your own LightningModule: keep the growable network as a submodule
     (``cifar_resnet``, ``GrowableStack``), add ``GrowableModuleMixin`` for checkpoints, build
     the optimizer from ``growtrain.optim.param_groups(network)`` so resumed runs line up, log
     ``train_loss`` per epoch, and give the callback a probe (``probe=`` or
@@ -576,6 +577,12 @@ class GrowUntilSaturated(Callback):
         if self.gain_reference is None:
             return losses, None
         before = torch.tensor(self.gain_reference, dtype=torch.float64)
+        if before.shape != losses.shape:
+            raise ValueError(
+                f"probe: min_gain pairs every probe sample's loss across checks, but the probe had {before.numel()} "
+                f"samples at the last growth and has {losses.numel()} now; no decision was made. Fix: keep the probe "
+                "fixed (the same samples in the same order, as probe_dataloader() does) or pass min_gain=None."
+            )
         mean, se, n, before_mean = dec.paired_gain(before, losses)
         verdict = dec.gain_verdict(mean, se, before_mean, min_gain=self.min_gain, level=level)
         return losses, {**verdict.to_dict(), "mean": mean, "se": se, "n": n, "loss_before": before_mean,
