@@ -547,7 +547,7 @@ def measure_saturation(
         probe_size: ``rule="crossfit"`` only: the number of probe samples on this rank, for a
             loader without a sized sampler or dataset (the split needs it before the pass).
         sample_losses: a list that receives, per probe batch in loader order, each sample's term
-            of the loss (float64) of the network as it is — the ghosts output zero — from the
+            of the loss (float64, on the network's device) of the network as it is — the ghosts output zero — from the
             pass's own forward (``GrowUntilSaturated``'s ``min_gain`` reads it: no extra pass).
     """
     _check_arguments(network, delta, alpha, t, rule)
@@ -659,7 +659,7 @@ def _probe_pass(network, sites, candidates, loader, loss_fn, device, projected, 
                 out = network(x)
                 loss = loss_fn(out, y)
                 if sample_losses is not None:
-                    sample_losses.append(sample_loss_terms(out, y, loss_fn).cpu())
+                    sample_losses.append(sample_loss_terms(out, y, loss_fn))  # stays on the device
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn: expected a scalar mean loss, got shape {tuple(loss.shape)}")
             if not torch.isfinite(loss):

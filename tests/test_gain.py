@@ -265,3 +265,13 @@ def test_a_probe_that_changes_between_checks_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"probe: min_gain pairs every probe sample's loss.*120 samples.*100 now.*Fix"):
         trainer.fit(model, dm)
     assert grow.growths == 1 and model.network.depth() == 4  # the failing check grew nothing
+
+
+def test_best_scored_site_takes_the_rules_own_score_whatever_the_verdict():
+    from types import SimpleNamespace as S
+
+    sites = [S(name="a", lower=-0.2, grad_norm=3.0), S(name="b", lower=-0.1, grad_norm=1.0)]
+    assert dec.best_scored_site(S(rule="crossfit", sites=sites)) == "b"  # largest lower bound, though ≤ 0
+    assert dec.best_scored_site(S(rule="relative", sites=sites)) == "b"
+    assert dec.best_scored_site(S(rule="paper", sites=sites)) == "a"  # largest ‖ĝ‖
+    assert dec.best_scored_site(S(rule="crossfit", sites=[])) is None

@@ -492,17 +492,12 @@ class GrowUntilSaturated(Callback):
         without the fork a check would move the training data order and augmentation of the
         rest of the run — and two decision settings would train differently before they first
         decide differently. Candidate blocks have their own seed (``seed``)."""
-        device = self._network_device()
+        device = next(self._network.parameters()).device
         devices = []
         if device.type == "cuda":
             devices = [device.index if device.index is not None else torch.cuda.current_device()]
         with torch.random.fork_rng(devices=devices):
             return self._check_unforked(trainer, pl_module, annealed)
-
-    def _network_device(self) -> torch.device:
-        for p in self._network.parameters():
-            return p.device
-        return torch.device("cpu")
 
     def _check_unforked(self, trainer: Trainer, pl_module: LightningModule, annealed: bool = False) -> str:
         network = self._network
@@ -564,7 +559,7 @@ class GrowUntilSaturated(Callback):
         takes rank 0's vector, so the stored losses and the decision are the same on every rank
         and after a resume."""
         if self._pass_losses:  # one process: the probe pass's own forward (no extra pass)
-            losses = torch.cat(self._pass_losses)
+            losses = torch.cat(self._pass_losses).cpu()  # one device-to-host copy per check
         else:
             start = time.perf_counter()
             device = next(network.parameters()).device

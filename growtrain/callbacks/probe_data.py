@@ -8,7 +8,8 @@ the LightningModule's whole forward while the sites are the growable trunk's.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -159,15 +160,22 @@ def first_input(loader: Iterable) -> Any:
 
 
 
-@torch.no_grad()
-def eval_output(view: ProbeView, x: Any) -> torch.Tensor:
+@contextmanager
+def evaluating(view: ProbeView) -> Iterator[None]:
+    """The whole module in eval mode for the block, then every submodule's own mode back."""
     modes = [(m, m.training) for m in view.modules()]
     view.eval()
     try:
-        out = view(x)
+        yield
     finally:
         for m, was in modes:
             m.training = was
+
+
+@torch.no_grad()
+def eval_output(view: ProbeView, x: Any) -> torch.Tensor:
+    with evaluating(view):
+        out = view(x)
     return out if isinstance(out, torch.Tensor) else out[0]
 
 
@@ -179,17 +187,12 @@ def per_sample_losses(view: ProbeView, loader: Iterable, loss_fn: Any, device: t
     output gives that sample's term of the mean (for a language model: a sequence's token mean)."""
     from growtrain.batches import sample_loss_terms, to_device
 
-    modes = [(m, m.training) for m in view.modules()]
-    view.eval()
     losses = []
-    try:
+    with evaluating(view):
         for batch in loader:
             x, y = to_device(batch[0], device), to_device(batch[-1], device)
-            losses.append(sample_loss_terms(view(x), y, loss_fn).cpu())
-    finally:
-        for m, was in modes:
-            m.training = was
-    return torch.cat(losses) if losses else torch.zeros(0, dtype=torch.float64)
+            losses.append(sample_loss_terms(view(x), y, loss_fn))  # on the device: one copy at the end
+    return torch.cat(losses).cpu() if losses else torch.zeros(0, dtype=torch.float64)
 
 
 def check_split_indices(dm: Any) -> None:
