@@ -53,7 +53,6 @@ __all__ = [
     "best_scored_site",
     "insertion_tolerance",
     "check_min_gain",
-    "paired_gain",
     "gain_verdict",
 ]
 
@@ -345,32 +344,12 @@ def check_min_gain(value: object) -> float | None:
     return float(value)
 
 
-def paired_gain(before: torch.Tensor, after: torch.Tensor) -> tuple[float, float, int, float]:
-    """``(mean, standard error, n, mean before)`` of the per-sample gains ``before_i − after_i``.
-
-    ``before`` and ``after`` are the per-sample probe losses of the network when it last grew
-    and now, on the same probe samples in the same order. Pairing removes the samples' own
-    difficulty, so the standard error is that of the *differences* (much smaller than the two
-    losses' own spread)."""
-    if before.shape != after.shape or before.dim() != 1 or before.numel() < 2:
-        raise ValueError(f"paired_gain: expected two 1-d loss vectors of one length >= 2; got {tuple(before.shape)} "
-                         f"and {tuple(after.shape)} (the probe changed between checks?)")  # fmt: skip
-    d = (before.double() - after.double())
-    n = d.numel()
-    return float(d.mean()), float(d.std(unbiased=True)) / math.sqrt(n), n, float(before.double().mean())
-
-
-def gain_verdict(mean: float, se: float, before_mean: float, *, min_gain: float, level: float) -> Verdict:
-    """Did the last growth pay? ``lower = mean − z_{1−level}·se`` (a one-sided normal bound on the
-    mean per-sample gain, valid for the probe's n ≫ 1 independent samples); paid iff
-    ``lower > min_gain · before_mean``. Both sides scale with the loss, so a loss in other units
-    makes the same decision; no learning rate enters."""
-    from statistics import NormalDist
-
-    lower = mean - NormalDist().inv_cdf(1.0 - level) * se
-    margin = min_gain * before_mean
-    what = (f"the last growth lowered the probe loss by {mean:.4g} (lower bound {lower:.4g}, level {level:.3g}) "
-            f"vs min_gain·loss = {min_gain:g}×{before_mean:.4g} = {margin:.4g}")  # fmt: skip
-    if lower > margin:
-        return Verdict("gain", False, None, lower, margin, f"paid: {what}")
-    return Verdict("gain", True, None, lower, margin, f"saturated: depth stopped paying: {what}")
+def gain_verdict(gain: dict) -> Verdict:
+    """The verdict of :func:`growtrain.gain.gain_test`'s figures: paid iff the certified lower
+    bound on the mean per-sample gain exceeds ``min_gain · loss_before`` (strictly). Both sides
+    scale with the loss, so a loss in other units makes the same decision; no learning rate enters."""
+    what = (f"the last growth lowered the probe loss by {gain['mean']:.4g} (lower bound {gain['lower']:.4g}, "
+            f"{gain['method']} at level {gain['level']:.3g}) vs min_gain·loss = {gain['margin']:.4g}")  # fmt: skip
+    if gain["paid"]:
+        return Verdict("gain", False, None, gain["lower"], gain["margin"], f"paid: {what}")
+    return Verdict("gain", True, None, gain["lower"], gain["margin"], f"saturated: depth stopped paying: {what}")

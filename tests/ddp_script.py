@@ -51,6 +51,10 @@ class Snapshot(L.Callback):
         self.info: dict = {}
 
     def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch == 1:  # the second check: a gain verdict
+            self.info["growth_log_check1"] = [dict(r) for r in pl_module.network.growth_log]
+            if trainer.global_rank == 0:
+                torch.save(pl_module.state_dict(), os.path.join(self.out, "pre_check1.pt"))
         if trainer.current_epoch != 0:
             return
         self.info["buffers_differ_before_check"] = self._buffers_differ(pl_module)
@@ -91,9 +95,9 @@ def fit(out: str, epochs: int, same_buffers: bool) -> None:
                            probe_size=91, val_size=10, batch_size=32, augment=False)  # fmt: skip
     module = ImageClassifier(width=4, num_classes=4)
     # cross-fit rule (its A/B split all-reduces mid-pass); 91 probe samples: shards of 46 and 45.
-    # One growth at most, so the second check (end of epoch 1) meets the budget without probing.
-    # min_gain=0: every rank also scores the whole probe per sample (rank 0's losses broadcast)
-    grow = GrowUntilSaturated(monitor=None, rule="crossfit", max_growths=1, every_n_epochs=1, min_gain=0.0,
+    # min_gain=0: every rank also scores the whole probe per sample (rank 0's losses broadcast), and
+    # the second check (end of epoch 1) judges the first growth by its realized gain.
+    grow = GrowUntilSaturated(monitor=None, rule="crossfit", max_growths=2, every_n_epochs=1, min_gain=0.0,
                               verbose=False)  # fmt: skip
     snapshot = Snapshot(out, same_buffers)
     trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=epochs,

@@ -109,11 +109,11 @@ def test_ranks_record_identical_checks_and_stay_in_sync(ddp_runs):
     assert sorted(r0["probe_shard"] + r1["probe_shard"]) == list(range(91))
     first = r0["history"][0]
     assert first["n"] == 91
-    # with max_growths=1 the second check is refused by the budget without probing
-    assert [h["action"] for h in r0["history"]][1:] == ["budget"]
     if first["action"] == "grow":
-        assert r0["growth_log"] == r1["growth_log"] and len(r0["growth_log"]) == 1
-        assert r0["param_groups"] == r1["param_groups"] == ["base", "growth0"]
+        # the second check judges the first growth; unpaid, it is undone on both ranks (restore_best)
+        kept = 0 if "restored" in r0["history"][1] else 1 + (r0["history"][1]["action"] == "grow")
+        assert r0["growth_log"] == r1["growth_log"] and len(r0["growth_log"]) == kept
+        assert r0["param_groups"] == r1["param_groups"] == ["base"] + [f"growth{k}" for k in range(len(r0["growth_log"]))]
         assert first["max_abs_change"] == 0.0 and r1["history"][0]["max_abs_change"] == 0.0  # fp32, bit-exact
         # min_gain's per-sample losses at the growth: the whole probe (not a shard), one vector on both ranks
         assert len(r0["gain_reference"]) == 91 and r0["gain_reference"] == r1["gain_reference"]
@@ -164,6 +164,37 @@ def test_first_check_equals_a_single_process_check_on_the_same_batches(ddp_runs)
             if key.endswith("num_batches_tracked"):  # calibration batches counted per rank, not pooled
                 continue
             torch.testing.assert_close(inserted[key], mine[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_the_gain_verdict_equals_a_single_process_replay(ddp_runs):
+    """The second check judges the first growth: its gain equals gain_test on the per-sample
+    losses of the whole probe computed here, in one process, from rank 0's weights at the two
+    checks (the reference at the growth, and now), with the product's seed for that check."""
+    from growtrain.callbacks.probe_data import ProbeView, per_sample_losses
+    from growtrain.gain import gain_test
+    from growtrain.growable import replay_growth
+
+    (r0, r1), out = ddp_runs["sync"]
+    first, second = r0["history"][:2]
+    assert first["action"] == "grow" and "gain" in second and second["gain"] == r1["history"][1]["gain"]
+    probe = _data().probe_dataloader()
+
+    def losses(state_file, records):
+        module = ImageClassifier(width=4, in_channels=3, num_classes=4)
+        replay_growth(module.network, records)
+        module.load_state_dict(torch.load(out / state_file, weights_only=True))
+        return per_sample_losses(ProbeView(module, module.network), probe, F.cross_entropy, torch.device("cpu"))
+
+    before = losses("pre_check.pt", [])
+    assert len(r0["growth_log_check1"]) == 1
+    after = losses("pre_check1.pt", r0["growth_log_check1"])
+    assert r0["gain_reference"] is not None and len(before) == 91
+    want = gain_test(before, after, min_gain=0.0, level=second["level"], seed=second["check"] + 1)
+    got = second["gain"]
+    assert got["n"] == 91 and got["paid"] == want["paid"]
+    assert got["mean"] == pytest.approx(want["mean"], rel=1e-5, abs=1e-8)
+    assert got["lower"] == pytest.approx(want["lower"], rel=1e-4, abs=1e-7)
+    assert got["loss_before"] == pytest.approx(float(before.mean()), rel=1e-6)
 
 
 def test_negative_control_without_rewrap_the_ranks_drift_apart(ddp_runs):

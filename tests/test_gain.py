@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import random
 import statistics
 
 import lightning as L
@@ -11,60 +10,108 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from pathlib import Path
+
 from growtrain import decision as dec
+from growtrain.gain import GAIN_METHODS, gain_test
 from growtrain.callbacks import GrowUntilSaturated
 from growtrain.callbacks.probe_data import ProbeView, per_sample_losses
 from growtrain.data import ImageDataModule
 from growtrain.module import ImageClassifier
 
 Z95 = 1.6448536269514722  # the standard normal's 0.95 quantile
+PAIRS = Path(__file__).resolve().parent / "data" / "gain_pairs.pt"  # bench/gain_level.py pairs
 
 
-def test_paired_gain_and_verdict_match_a_hand_computation():
-    before = [0.9, 0.5, 1.2, 0.3, 0.8, 0.6]
-    after = [0.7, 0.45, 1.0, 0.35, 0.6, 0.5]
-    d = [b - a for b, a in zip(before, after)]
-    mean, se, n, before_mean = dec.paired_gain(torch.tensor(before), torch.tensor(after))
-    assert n == 6 and mean == pytest.approx(statistics.fmean(d)) and before_mean == pytest.approx(statistics.fmean(before))
-    assert se == pytest.approx(statistics.stdev(d) / math.sqrt(6))
-    lower = statistics.fmean(d) - Z95 * statistics.stdev(d) / math.sqrt(6)
-    paid = dec.gain_verdict(mean, se, before_mean, min_gain=0.0, level=0.05)
-    assert not paid.saturated and paid.score == pytest.approx(lower) and paid.reason.startswith("paid")
-    # just above / below the margin min_gain · mean(before)
-    edge = lower / before_mean
-    assert dec.gain_verdict(mean, se, before_mean, min_gain=edge * 0.99, level=0.05).saturated is False
-    stopped = dec.gain_verdict(mean, se, before_mean, min_gain=edge * 1.01, level=0.05)
-    assert stopped.saturated and "depth stopped paying" in stopped.reason
+def test_gain_test_matches_a_hand_computation():
+    """The normal bound by hand (statistics module), the bootstrap-t bound by hand (explicit loops
+    over the same resample indices, a sorted list's quantile), the margin inside the terms."""
+    before = torch.tensor([0.9, 0.5, 1.2, 0.3, 0.8, 0.6, 2.5, 0.05])
+    after = torch.tensor([0.7, 0.45, 1.0, 0.35, 0.6, 0.5, 0.4, 0.06])
+    g, n = 0.02, 8
+    e = [(1 - g) * float(b) - float(a) for b, a in zip(before.double(), after.double())]
+    d = [float(b) - float(a) for b, a in zip(before.double(), after.double())]
+    se_e = statistics.stdev(e) / math.sqrt(n)
+    margin = g * statistics.fmean(before.double().tolist())
+    normal = gain_test(before, after, min_gain=g, level=0.05, method="normal")
+    assert normal["mean"] == pytest.approx(statistics.fmean(d)) and normal["n"] == n
+    assert normal["se"] == pytest.approx(statistics.stdev(d) / math.sqrt(n))
+    assert normal["margin"] == pytest.approx(margin)
+    assert normal["lower"] - normal["margin"] == pytest.approx(statistics.fmean(e) - Z95 * se_e)
+    # bootstrap-t by hand, with the resample indices the product draws for seed 7
+    gen = torch.Generator().manual_seed(7)
+    idx = torch.randint(n, (2000, n), generator=gen).tolist()
+    t_star = []
+    for row in idx:
+        sample = [e[i] for i in row]
+        sd = statistics.stdev(sample) / math.sqrt(n)
+        t_star.append((statistics.fmean(sample) - statistics.fmean(e)) / sd if sd > 0 else
+                      (math.inf if statistics.fmean(sample) > statistics.fmean(e) else 0.0))
+    q = sorted(t_star)[math.ceil(0.95 * (len(t_star) - 1))]
+    boot = gain_test(before, after, min_gain=g, level=0.05, seed=7)
+    assert boot["method"] == "bootstrap_t"
+    assert boot["lower"] - boot["margin"] == pytest.approx(statistics.fmean(e) - q * se_e, rel=1e-9)
+    assert boot["paid"] == (statistics.fmean(e) - q * se_e > 0)
+    verdict = dec.gain_verdict(boot)
+    assert verdict.saturated is (not boot["paid"]) and verdict.score == boot["lower"]
 
 
-def test_paired_gain_refuses_unpaired_vectors():
-    with pytest.raises(ValueError, match="paired_gain: expected two 1-d loss vectors of one length"):
-        dec.paired_gain(torch.ones(5), torch.ones(6))
+def test_paid_needs_the_bound_strictly_above_the_margin():
+    """Losses unchanged and min_gain = 0: the bound equals the margin (0 = 0) — not paid."""
+    same = torch.tensor([0.3, 0.7, 1.1, 0.2])
+    for method in GAIN_METHODS:
+        out = gain_test(same, same.clone(), min_gain=0.0, level=0.05, method=method)
+        assert out["lower"] == out["margin"] == 0.0 and out["paid"] is False
 
 
-def _paid_rate(lower_fn, gain: float, reps: int = 3000, n: int = 400) -> float:
-    rng = random.Random(0)
-    paid = 0
-    for _ in range(reps):
-        difficulty = [rng.expovariate(2.0) for _ in range(n)]  # per-sample loss levels: shared by both
-        before = torch.tensor([v + rng.gauss(0, 0.1) for v in difficulty])
-        after = torch.tensor([v - gain + rng.gauss(0, 0.1) for v in difficulty])
-        mean, se, _, before_mean = dec.paired_gain(before, after)
-        paid += lower_fn(mean, se, before_mean) > 0.0
-    return paid / reps
+def test_gain_refuses_unpaired_vectors():
+    with pytest.raises(ValueError, match=r"gain: expected two 1-d per-sample loss vectors of one length.*Fix"):
+        gain_test(torch.ones(5), torch.ones(6), min_gain=0.0, level=0.05)
 
 
-def test_no_gain_is_called_paid_at_most_at_the_level_and_a_broken_bound_is_not():
-    """Null (no gain): the rate of "paid" stays within α + 3 sd; the broken variant that drops the
-    standard error (a point estimate) says "paid" about half the time and fails the same check.
-    A real gain of 0.03 is detected nearly always (power)."""
-    alpha, reps = 0.05, 3000
-    sd = math.sqrt(alpha * (1 - alpha) / reps)
-    right = lambda m, se, b: dec.gain_verdict(m, se, b, min_gain=0.0, level=alpha).score  # noqa: E731
-    broken = lambda m, se, b: m  # noqa: E731
-    assert _paid_rate(right, 0.0, reps) <= alpha + 3 * sd
-    assert _paid_rate(broken, 0.0, reps) > alpha + 3 * sd
-    assert _paid_rate(right, 0.03, 500) > 0.95
+def _bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gain_level", PAIRS.parents[2] / "bench" / "gain_level.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _real_pairs():
+    bench = _bench()
+    pair = bench.most_skewed(bench.load_pairs(PAIRS))
+    return pair["before"], pair["after"]
+
+
+def test_the_real_differences_are_skewed():
+    """The null below is only as hard as its data: the fixture's differences are skewed."""
+    before, after = _real_pairs()
+    skew = _bench().skewness(before - after)
+    assert before.numel() == 2000 and abs(skew) > SKEW_AT_LEAST
+
+
+@pytest.mark.parametrize("skew", ["left", "right"])
+def test_the_level_holds_under_real_skewed_nulls_and_the_normal_bound_does_not(skew):
+    """Nulls at the boundary E[b − a] = min_gain·E[b] built from a real fit's per-sample losses
+    (bench/gain_level.py; both skews): the product's bootstrap-t says "paid" at most α + 3 sd
+    of the time; its broken variant, the plain normal bound through the same gain_test, fails
+    under the left skew that fools it. Full figures (n = 500 and 2000): docs/decision.md."""
+    rates = _bench().rates
+    before, after = _real_pairs()
+    alpha, reps = 0.05, REPS
+    limit = alpha + 3 * math.sqrt(alpha * (1 - alpha) / reps)
+    r = rates(before, after, n=500, reps=reps, skew=skew, seed=11)
+    assert r["bootstrap_t"] <= limit, r
+    if skew == "left":
+        assert r["normal"] > limit, r
+
+
+def test_a_true_gain_of_3_percent_is_found_at_n_2000():
+    rates = _bench().rates
+    before, after = _real_pairs()
+    r = rates(before, after, n=2000, reps=100, skew="left", gain=0.03, seed=5)
+    assert r["bootstrap_t"] >= 0.95, r
 
 
 def tiny_dm() -> ImageDataModule:
@@ -92,19 +139,76 @@ def test_bad_min_gain_is_refused_at_construction(value):
         GrowUntilSaturated(min_gain=value)
 
 
-def _fit(min_gain, tmp_path, rule="paper", **kw):
+class ProbeLosses(L.Callback):
+    """Before the grower (hooks run in list order): every epoch's per-sample probe losses,
+    computed independently (unreduced cross-entropy in eval mode, not the product's pass)."""
+
+    def __init__(self):
+        self.by_epoch: dict[int, torch.Tensor] = {}
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        was = pl_module.training
+        pl_module.eval()
+        with torch.no_grad():
+            self.by_epoch[trainer.current_epoch] = torch.cat(
+                [F.cross_entropy(pl_module(x), y, reduction="none") for x, y in trainer.datamodule.probe_dataloader()]
+            ).double()
+        pl_module.train(was)
+
+
+def _fit(min_gain, tmp_path, rule="paper", extra=(), max_epochs=20, ckpt=None, **kw):
     L.seed_everything(0)
     # the paper's rule with a tiny t always grows: only min_gain can end growth here
-    kw = ({"t": 1e-12} if rule == "paper" else {}) | kw
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, rule=rule, min_gain=min_gain, max_growths=3,
+    kw = ({"t": 1e-12} if rule == "paper" else {}) | {"max_growths": 3} | kw
+    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, rule=rule, min_gain=min_gain,
                               lr_schedule="anneal", anneal_epochs=1, on_saturated="anneal", verbose=False, **kw)  # fmt: skip
-    trainer = L.Trainer(max_epochs=20, callbacks=[grow], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        default_root_dir=tmp_path)  # fmt: skip
+    checkpoints = [L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1,
+                                                       save_on_train_epoch_end=True)] if ckpt is not None else []  # fmt: skip
+    trainer = L.Trainer(max_epochs=max_epochs, callbacks=[*extra, grow, *checkpoints], logger=False,
+                        enable_checkpointing=bool(checkpoints), enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, default_root_dir=tmp_path)  # fmt: skip
     model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic",
                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=5e-4))  # fmt: skip
-    trainer.fit(model, tiny_dm())
+    trainer.fit(model, tiny_dm(), ckpt_path=ckpt if ckpt not in (None, True) else None)
+    grow.model = model
     return grow
+
+
+def test_every_gain_verdict_compares_with_the_last_growth_by_hand(tmp_path):
+    """A run with three gain verdicts (min_gain=0: growth goes on while each growth paid): each
+    verdict equals gain_test on the per-sample losses computed independently at the check that
+    grew last and at this check — not the first growth's, not the previous check's."""
+    watch = ProbeLosses()
+    grow = _fit(0.0, tmp_path, extra=[watch], max_growths=4)
+    checks = grow.history
+    verdicts = [h for h in checks if "gain" in h]
+    assert len(verdicts) >= 2, [h["action"] for h in checks]
+    last_growth_epoch = None
+    for h in checks:
+        if "gain" in h:
+            before, after = watch.by_epoch[last_growth_epoch], watch.by_epoch[h["epoch"]]
+            want = gain_test(before, after, min_gain=0.0, level=h["level"], seed=h["check"] + 1)
+            got = h["gain"]
+            assert got["loss_before"] == pytest.approx(float(before.mean()), rel=1e-5)
+            assert got["loss_now"] == pytest.approx(float(after.mean()), rel=1e-5)
+            assert got["mean"] == pytest.approx(want["mean"], rel=1e-4, abs=1e-7)
+            assert got["lower"] == pytest.approx(want["lower"], rel=1e-3, abs=1e-6)
+            assert got["paid"] == want["paid"] and got["saturated"] == (not want["paid"])
+        if h["action"] == "grow":
+            last_growth_epoch = h["epoch"]
+    assert sum(h["action"] == "grow" for h in verdicts) >= 1  # a paid verdict moved the reference on
+
+
+def test_the_gain_level_follows_alpha_spending(tmp_path):
+    """alpha_spending='inverse_square': the k-th test (k = 0, 1, ...) runs at α·6/(π²(k+1)²)
+    (growtrain.crossfit.alpha_schedule), and the gain's bound uses that level, not α."""
+    grow = _fit(0.0, tmp_path, alpha_spending="inverse_square", max_growths=2)
+    verdicts = [h for h in grow.history if "gain" in h]
+    assert verdicts
+    for h in verdicts:
+        k = h["check"]
+        want = 0.05 * 6 / (math.pi**2 * (k + 1) ** 2)
+        assert h["gain"]["level"] == pytest.approx(want) and h["level"] == pytest.approx(want)
 
 
 def test_a_growth_that_did_not_pay_ends_growth_and_the_verdict_is_reported(tmp_path):
@@ -122,13 +226,32 @@ def test_a_growth_that_did_not_pay_ends_growth_and_the_verdict_is_reported(tmp_p
     assert [h["action"] for h in off.history] == ["grow", "grow", "grow", "budget"]
 
 
-def test_the_losses_at_the_last_growth_survive_a_checkpoint(tmp_path):
-    grow = _fit(0.0, tmp_path, seed=0)
+def test_the_losses_at_the_last_growth_survive_a_checkpoint_in_order(tmp_path):
+    """Through a real checkpoint file (torch.save / load with weights_only=True): the per-sample
+    reference losses and fingerprints come back equal, element by element, in their order."""
+    grow = _fit(0.0, tmp_path, max_growths=1)
     state = grow.state_dict()
-    assert len(state["gain_reference"]) == 120  # the probe's losses at the last growth
+    reference, signature = state["gain_reference"], state["gain_signature"]
+    assert len(reference) == len(signature) == 120 and len(set(reference)) > 100  # non-constant
+    torch.save({"callbacks": {"grow": state}}, tmp_path / "state.ckpt")
+    loaded = torch.load(tmp_path / "state.ckpt", weights_only=True)["callbacks"]["grow"]
     again = GrowUntilSaturated(min_gain=0.0)
-    again.load_state_dict({**state, "gain_reference": [0.5] * 120})
-    assert again.gain_reference == [0.5] * 120
+    again.load_state_dict(loaded)
+    assert again.gain_reference == reference and again.gain_signature == signature
+
+
+def test_a_resumed_run_makes_the_same_gain_verdict(tmp_path):
+    """Killed after the first growth (its epoch's checkpoint), resumed: the next check — a gain
+    verdict — decides exactly as the uninterrupted run's."""
+    full = _fit(0.0, tmp_path / "full", ckpt=True, max_growths=2)
+    grew = next(h for h in full.history if h["action"] == "grow")
+    verdict = next(h for h in full.history if "gain" in h)
+    ckpt = tmp_path / "full" / "ckpt" / f"epoch={grew['epoch']}-step={grew['step']}.ckpt"
+    assert ckpt.exists(), sorted(p.name for p in (tmp_path / "full" / "ckpt").iterdir())
+    resumed = _fit(0.0, tmp_path / "resumed", ckpt=str(ckpt), max_growths=2)
+    again = next(h for h in resumed.history if "gain" in h)
+    assert again["check"] == verdict["check"] and again["gain"] == verdict["gain"]
+    assert [h["action"] for h in resumed.history] == [h["action"] for h in full.history]
 
 
 def test_after_a_growth_its_realized_gain_decides_not_the_first_order_rule(tmp_path):
@@ -237,34 +360,89 @@ def test_a_check_does_not_move_the_training_random_stream(tmp_path, monkeypatch)
     assert not torch.equal(final_weights(max_growths=0), final_weights(rule="crossfit", delta=1e9))
 
 
-def test_a_probe_that_changes_between_checks_is_a_clear_error(tmp_path):
-    """The paired gain needs the same probe samples at every check: a probe callable that
-    returns another sample after the growth is refused by name, before any decision."""
+@pytest.mark.parametrize("change, message", [
+    ("shrink", r"120 samples at the last growth and has 100 now"),
+    ("permute", r"120 of 120 probe samples differ|probe samples differ.*the same samples in another order"),
+    ("other", r"probe samples differ.*other samples \(content differs\)"),
+    ("relabel", r"1 of 120 probe samples differ.*other samples"),
+])  # fmt: skip
+def test_a_probe_that_changes_between_checks_is_a_clear_error(tmp_path, change, message):
+    """The paired gain needs the same probe samples in the same order at every check: a probe
+    callable that returns fewer, reordered, other or relabelled samples after the growth is
+    refused by name, before any decision (same size included: pairing is by fingerprint)."""
     from torch.utils.data import DataLoader, TensorDataset
 
     L.seed_everything(0)
     dm = tiny_dm()
     dm.setup("fit")
     x, y = (torch.cat(t) for t in zip(*dm.probe_dataloader()))
-    size = {"n": 120}
+    state = {"changed": False}
 
     def probe():
-        return DataLoader(TensorDataset(x[: size["n"]], y[: size["n"]]), batch_size=32)
+        xs, ys = x, y
+        if state["changed"]:
+            if change == "shrink":
+                xs, ys = x[:100], y[:100]
+            elif change == "permute":
+                order = torch.randperm(120, generator=torch.Generator().manual_seed(0))
+                xs, ys = x[order], y[order]
+            elif change == "other":
+                xs = x.flip(-1)  # mirrored images: other inputs, same labels
+            else:
+                ys = y.clone()
+                ys[17] = (ys[17] + 1) % 4
+        return DataLoader(TensorDataset(xs, ys), batch_size=32)
 
-    class ShrinkAfterFirstGrowth(L.Callback):  # runs after the grower's epoch-end hook
+    class ChangeAfterFirstGrowth(L.Callback):  # runs after the grower's epoch-end hook
         def on_train_epoch_end(self, trainer, pl_module):
             if grow.growths:
-                size["n"] = 100
+                state["changed"] = True
 
     grow = GrowUntilSaturated(probe=probe, monitor=None, every_n_epochs=1, rule="paper", t=1e-12, min_gain=0.0,
                               verbose=False)  # fmt: skip
-    trainer = L.Trainer(max_epochs=4, callbacks=[grow, ShrinkAfterFirstGrowth()], logger=False,
+    trainer = L.Trainer(max_epochs=4, callbacks=[grow, ChangeAfterFirstGrowth()], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0)  # fmt: skip
     model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic")
-    with pytest.raises(ValueError, match=r"probe: min_gain pairs every probe sample's loss.*120 samples.*100 now.*Fix"):
+    with pytest.raises(ValueError, match=r"probe: min_gain pairs every probe sample's loss") as err:
         trainer.fit(model, dm)
-    assert grow.growths == 1 and model.network.depth() == 4  # the failing check grew nothing
+    assert "Fix: keep the probe fixed" in str(err.value)
+    import re
+
+    assert re.search(message, str(err.value)), str(err.value)
+    assert grow.growths == 1 and model.network.depth() == 4 and len(grow.history) == 1  # no decision recorded
+
+
+def test_a_fixed_probe_callable_passes_every_check(tmp_path):
+    """The negative control of the test above: the same callable without the change decides on."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    L.seed_everything(0)
+    dm = tiny_dm()
+    dm.setup("fit")
+    x, y = (torch.cat(t) for t in zip(*dm.probe_dataloader()))
+    grow = GrowUntilSaturated(probe=lambda: DataLoader(TensorDataset(x, y), batch_size=32), monitor=None,
+                              every_n_epochs=1, rule="paper", t=1e-12, min_gain=0.0, max_growths=2, verbose=False)  # fmt: skip
+    trainer = L.Trainer(max_epochs=3, callbacks=[grow], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    trainer.fit(ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic"), dm)
+    assert sum("gain" in h for h in grow.history) >= 1
+
+
+def test_a_shuffling_probe_loader_is_refused_at_setup():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    dm = tiny_dm()
+    probe = DataLoader(TensorDataset(torch.randn(64, 3, 8, 8), torch.randint(4, (64,))), batch_size=16, shuffle=True)
+    grow = GrowUntilSaturated(probe=probe, monitor=None, min_gain=0.01, verbose=False)
+    trainer = L.Trainer(max_epochs=1, callbacks=[grow], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic")
+    with pytest.raises(ValueError, match=r"probe: min_gain compares.*RandomSampler \(shuffle=True\).*shuffle=False"):
+        trainer.fit(model, dm)
+    assert trainer.global_step == 0  # refused before any training
+    # min_gain=None: the order does not matter, the same loader is accepted
+    GrowUntilSaturated(probe=probe, min_gain=None)._refuse_random_probe(probe, "probe")
 
 
 def test_best_scored_site_takes_the_rules_own_score_whatever_the_verdict():

@@ -31,10 +31,12 @@ from torch.utils.data import DataLoader
 from growtrain import decision as dec
 from growtrain.callbacks import telemetry
 from growtrain.callbacks.growth_config import GrowthConfig
+from growtrain.callbacks.restore import restore_snapshot, take_snapshot
 from growtrain.callbacks.probe_data import (
-    ProbeView, check_split_indices, datasets_of, eval_output, first_input, loaders_of, per_sample_losses, probe_overlap,
-    shard_loader,
+    Fingerprinted, ProbeView, check_split_indices, datasets_of, eval_output, first_input, loaders_of, per_sample_losses,
+    probe_overlap, random_order, shard_loader,
 )  # fmt: skip
+from growtrain.gain import gain_test, signature_mismatch
 from growtrain.batches import to_device
 from growtrain.crossfit import probe_size
 from growtrain.growable import grown_blocks, probe_loss_for, resolve_network
@@ -137,15 +139,26 @@ class GrowUntilSaturated(Callback):
         min_gain: a fraction ≥ 0 (default 0.01) or ``None`` (off): judge growth by what it
             realized. The first check decides by ``rule``; every check after a growth grows again
             (at the site with the rule's best score) iff the last growth *paid*: the probe loss
-            fell from the check that grew to this one by a certified (one-sided, level α, paired
-            over the probe samples) amount of more than ``min_gain`` × the probe loss at that
-            growth; otherwise the run is saturated ("depth stopped paying"). The per-sample
+            fell from the check that grew to this one by a certified (one-sided bootstrap-t
+            lower bound at level α, paired over the probe samples, which must be the same
+            samples in the same order: their fingerprints are checked) amount of more than
+            ``min_gain`` × the probe loss at that growth; otherwise the run is saturated ("depth stopped paying"). The per-sample
             losses come from the probe pass itself (under DDP: one extra forward pass). Scale-free
             (both sides scale with the loss). Why: on an annealed network the first-order
             statistics sit at their noise floor at every depth (docs/decision.md).
         alpha_spending: ``"constant"`` (every check at level α; with stop-at-first-saturated the
             checks are a fixed-sequence procedure), ``"geometric"`` or ``"inverse_square"``
             (all checks together err with probability ≤ α; ``growtrain.crossfit.alpha_schedule``).
+            The gain's level follows ``alpha_spending`` like every other test.
+        restore_best: when growth ends because the last growth did not pay (its gain is judged
+            also when a budget ends growth), hand over the network of the check before it:
+            weights, BatchNorm statistics, optimizer state and architecture restored from a
+            host-memory snapshot taken at that growth (the summary and the history's
+            ``restored`` say what was undone). ``False`` keeps the last network as it is.
+        trial_growth: with ``min_gain``, a check with no growth to judge grows at the best-scored
+            site even when the first-order test does not certify a gain; that block's realized
+            gain then decides (and ``restore_best`` undoes it if it did not pay). The first-order
+            scores then only choose the site. Costs one more stage where depth stops paying.
         top_k: grow at up to this many distinct certified sites per check.
         max_growths, max_blocks, max_params: budgets; reaching one ends growth (reason "budget").
         on_saturated: when growth ends, ``"stop"`` ends ``fit`` (saturated) ; ``"continue"`` keeps
@@ -195,6 +208,8 @@ class GrowUntilSaturated(Callback):
         tau: float = dec.DEFAULT_TAU,
         min_gain: float | None = dec.DEFAULT_MIN_GAIN,
         alpha_spending: Literal["constant", "geometric", "inverse_square"] = "constant",
+        restore_best: bool = True,
+        trial_growth: bool = False,
         top_k: int = 1,
         max_growths: int | None = None,
         max_blocks: int | None = None,
@@ -219,6 +234,8 @@ class GrowUntilSaturated(Callback):
         self._reset_state()
         self.probe_seconds = 0.0  # wall time inside measure_saturation, this process (not saved)
         self._pass_losses: list | None = None  # per-sample probe losses from the last pass (min_gain)
+        self._pass_probe: Fingerprinted | None = None  # the last pass's probe, with its sample fingerprints
+        self._last_signatures: torch.Tensor | None = None  # fingerprints of the last check's probe samples
         self._fit_start = 0.0
 
     def _reset_state(self) -> None:
@@ -241,6 +258,8 @@ class GrowUntilSaturated(Callback):
         self.anneal_kind: str | None = None  # "stage" (before a check) or "final" (after growth ended)
         self.anneal_base_lrs: list[float] = []
         self.gain_reference: list[float] | None = None  # per-sample probe losses at the last growth
+        self.gain_signature: list[float] | None = None  # ... and the fingerprints of those probe samples
+        self.snapshot: dict | None = None  # host copy of the network before the last growth (restore_best)
 
     # -- checkpoint state ------------------------------------------------------------------
     _STATE_INTS = ("checks", "growths", "inserted", "alpha_index", "wait", "cooldown_left", "epochs_since_check",
@@ -251,8 +270,11 @@ class GrowUntilSaturated(Callback):
         state.update(history=self.history, best=self.best, finished=self.finished, stop_reason=self.stop_reason,
                      restart_pending=self.restart_pending, start_depth=self.start_depth,
                      anneal_done=self.anneal_done, anneal_kind=self.anneal_kind,
-                     anneal_base_lrs=self.anneal_base_lrs, gain_reference=self.gain_reference)  # fmt: skip
-        return telemetry.plain(state)
+                     anneal_base_lrs=self.anneal_base_lrs, gain_reference=self.gain_reference,
+                     gain_signature=self.gain_signature)  # fmt: skip
+        state = telemetry.plain(state)
+        state["snapshot"] = self.snapshot  # tensors: torch.save keeps them as they are
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._reset_state()
@@ -269,6 +291,9 @@ class GrowUntilSaturated(Callback):
         self.anneal_base_lrs = [float(v) for v in state_dict.get("anneal_base_lrs", [])]
         reference = state_dict.get("gain_reference")
         self.gain_reference = None if reference is None else [float(v) for v in reference]
+        signature = state_dict.get("gain_signature")
+        self.gain_signature = None if signature is None else [float(v) for v in signature]
+        self.snapshot = state_dict.get("snapshot")
 
     # -- setup: refuse early ------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -287,7 +312,22 @@ class GrowUntilSaturated(Callback):
                     "be trained on."
                 )
             check_split_indices(dm)
-            dm.probe_dataloader()  # an empty probe (probe_size=0) is refused here, at setup, not at a check
+            # an empty probe (probe_size=0) is refused here, at setup, not at a check
+            self._refuse_random_probe(dm.probe_dataloader(), "datamodule.probe_dataloader()")
+        elif isinstance(self.probe, DataLoader):
+            self._refuse_random_probe(self.probe, "probe")
+
+    def _refuse_random_probe(self, loader: Any, name: str) -> None:
+        """min_gain pairs each probe sample's loss across checks: a shuffling probe is refused here
+        (a probe that changes otherwise is refused at the check, by its samples' fingerprints)."""
+        why = random_order(loader) if self.min_gain is not None else None
+        if why is not None:
+            raise ValueError(
+                f"{name}: min_gain compares every probe sample's loss at the last growth with its loss now, so the "
+                f"probe must yield the same samples in the same order at every check, but {why}. Fix: build the "
+                "probe loader with shuffle=False (the order does not matter to the saturation score), or pass "
+                "min_gain=None."
+            )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._fit_start = time.perf_counter()
@@ -536,9 +576,33 @@ class GrowUntilSaturated(Callback):
                         max_growths=self.max_growths, depth=depth, max_blocks=self.max_blocks, params=params,
                         max_params=self.max_params, reason=gain["reason"],
                     )  # fmt: skip
+                elif self.trial_growth and action == "saturated" and dec.best_scored_site(report) is not None:
+                    # no growth to judge yet: the first-order test only chooses the site; the
+                    # trial block's realized gain decides at the next check (restore_best undoes it)
+                    best = dec.best_scored_site(report)
+                    action, reason, sites = dec.decide_growth(
+                        saturated=False, ranked=[best], growths=self.growths, max_growths=self.max_growths,
+                        block_params={best: telemetry.count_params(report.record(best).block)}, depth=depth,
+                        max_blocks=self.max_blocks, params=params, max_params=self.max_params,
+                        reason=f"trial growth (trial_growth=True): {reason}; its realized gain decides at the next check",
+                    )  # fmt: skip
                 if action == "grow":  # the function is preserved: these are the new stage's starting losses
                     self.gain_reference = losses.tolist()
+                    self.gain_signature = self._last_signatures.tolist()
+        if blocked is not None and self.min_gain is not None and self.gain_reference is not None:
+            # a budget ends growth: the last growth is still judged, so an unpaid block is undone
+            _, gain = self._last_growth_paid(trainer, pl_module, network, self._level())
+            record["gain"] = gain
+        if action != "grow" and (record.get("gain") or {}).get("saturated") and self.restore_best and self.snapshot:
+            record["restored"] = self._restore(trainer, pl_module, network)
+            reason = f"{reason}; {record['restored']['what']}"
+            annealed = annealed or bool(record["restored"]["annealed"])  # it was checked annealed: no second anneal
         if action == "grow":
+            if self.min_gain is not None and self.restore_best:
+                self.snapshot = take_snapshot(
+                    pl_module, network, self._optimizer_for(trainer, network), check=record["check"],
+                    epoch=trainer.current_epoch, step=trainer.global_step, depth=depth, annealed=annealed,
+                )  # fmt: skip
             record.update(self._grow(trainer, pl_module, network, report, sites))
         else:
             self._finish(trainer, "saturated" if action == "saturated" else "budget", reason, annealed)
@@ -558,30 +622,66 @@ class GrowUntilSaturated(Callback):
         Under DDP every rank scores the whole probe (not its shard) in one extra forward pass and
         takes rank 0's vector, so the stored losses and the decision are the same on every rank
         and after a resume."""
-        if self._pass_losses:  # one process: the probe pass's own forward (no extra pass)
+        if self._pass_losses and self._pass_probe is not None:  # one process: the pass's own forward
             losses = torch.cat(self._pass_losses).cpu()  # one device-to-host copy per check
+            signatures = self._pass_probe.signatures
         else:
             start = time.perf_counter()
             device = next(network.parameters()).device
-            loader = _Converted(self._probe_loader(trainer, shard=False), trainer)
-            losses = per_sample_losses(ProbeView(pl_module, network), loader, self._loss, device)
+            probe = Fingerprinted(self._probe_loader(trainer, shard=False))
+            losses = per_sample_losses(ProbeView(pl_module, network), _Converted(probe, trainer), self._loss, device)
+            signatures = probe.signatures
             if trainer.world_size > 1:  # one decision on every rank, even if a GPU kernel is not bit-reproducible
                 losses = trainer.strategy.broadcast(losses, src=0)
+                signatures = trainer.strategy.broadcast(signatures, src=0)
             self.probe_seconds += time.perf_counter() - start
-        self._pass_losses = None
+        self._pass_losses, self._pass_probe = None, None
+        if signatures is None or signatures.numel() != losses.numel():
+            raise RuntimeError(f"probe: {losses.numel()} per-sample losses but fingerprints of "
+                               f"{None if signatures is None else signatures.numel()} samples; the probe pass was cut short")
+        self._last_signatures = signatures
         if self.gain_reference is None:
             return losses, None
         before = torch.tensor(self.gain_reference, dtype=torch.float64)
-        if before.shape != losses.shape:
+        stored = torch.tensor(self.gain_signature, dtype=torch.float64) if self.gain_signature is not None else None
+        mismatch = signature_mismatch(stored, signatures) if stored is not None else None
+        if mismatch is None and before.shape != losses.shape:
+            mismatch = f"the probe had {before.numel()} samples at the last growth and has {losses.numel()} now"
+        if mismatch is not None:
             raise ValueError(
-                f"probe: min_gain pairs every probe sample's loss across checks, but the probe had {before.numel()} "
-                f"samples at the last growth and has {losses.numel()} now; no decision was made. Fix: keep the probe "
-                "fixed (the same samples in the same order, as probe_dataloader() does) or pass min_gain=None."
+                f"probe: min_gain pairs every probe sample's loss at the last growth with its loss now, but {mismatch}; "
+                "no decision was made. Fix: keep the probe fixed — the same samples in the same order at every check "
+                "(a DataLoader with shuffle=False over a fixed dataset, as probe_dataloader() builds) — or pass "
+                "min_gain=None."
             )
-        mean, se, n, before_mean = dec.paired_gain(before, losses)
-        verdict = dec.gain_verdict(mean, se, before_mean, min_gain=self.min_gain, level=level)
-        return losses, {**verdict.to_dict(), "mean": mean, "se": se, "n": n, "loss_before": before_mean,
-                        "loss_now": float(losses.mean())}  # fmt: skip
+        # the bootstrap's seed follows the check index: the same losses give the same bound on
+        # every rank and after a resume
+        gain = gain_test(before, losses, min_gain=self.min_gain, level=level, seed=self.seed * 1000 + self.checks)
+        return losses, {**dec.gain_verdict(gain).to_dict(), **gain}
+
+    def _restore(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module) -> dict:
+        """Undo the growth that did not pay: the network of the check before it, restored."""
+        snap = self.snapshot
+        done = restore_snapshot(snap, pl_module, network, self._optimizer_for(trainer, network),
+                                trainer.strategy.lr_scheduler_configs)  # fmt: skip
+        self._rewrap_ddp(trainer)
+        self.snapshot = None
+        what = (f"restored the network of check {snap['check']} (epoch {snap['epoch']}, depth {snap['depth']}): "
+                f"removed the unpaid block(s) at {', '.join(map(str, done['removed_sites']))} with their weights, "
+                "BatchNorm statistics and optimizer groups (restore_best=True)")  # fmt: skip
+        rank_zero_info(f"GrowUntilSaturated: {what}")
+        return {**done, "check": snap["check"], "epoch": snap["epoch"], "step": snap["step"], "depth": snap["depth"],
+                "annealed": snap.get("annealed", False), "what": what}  # fmt: skip
+
+    def _level(self) -> float:
+        """The level of the next test (``alpha_spending``); counts the test."""
+        level = self.alpha
+        if self.alpha_spending != "constant":
+            from growtrain.crossfit import alpha_schedule
+
+            level = float(alpha_schedule(self.alpha, self.alpha_index, scheme=self.alpha_spending))
+        self.alpha_index += 1
+        return level
 
     def _finish(self, trainer: Trainer, why: str, reason: str, annealed: bool = False) -> None:
         """Growth has ended: stop, continue at this depth, or start the final anneal (unless the
@@ -611,11 +711,7 @@ class GrowUntilSaturated(Callback):
             group["lr"] = base * factor
 
     def _measure(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module) -> tuple[SaturationReport, float]:
-        level = self.alpha
-        if self.alpha_spending != "constant":
-            from growtrain.crossfit import alpha_schedule
-
-            level = float(alpha_schedule(self.alpha, self.alpha_index, scheme=self.alpha_spending))
+        level = self._level()
         sync_fn = None
         if trainer.world_size > 1:
             sync_fn = lambda t: trainer.strategy.reduce(t, reduce_op="sum")  # noqa: E731
@@ -630,16 +726,16 @@ class GrowUntilSaturated(Callback):
         # min_gain's per-sample losses come from this pass's own forward on one process; under
         # DDP each rank sees only its shard, so _last_growth_paid scores the whole probe instead
         self._pass_losses = [] if self.min_gain is not None and trainer.world_size == 1 else None
+        self._pass_probe = Fingerprinted(loader) if self._pass_losses is not None else None
         start = time.perf_counter()
         report = measure_saturation(
-            ProbeView(pl_module, network), _Converted(loader, trainer), self._loss, delta=self.delta, alpha=level,
+            ProbeView(pl_module, network), _Converted(self._pass_probe or loader, trainer), self._loss, delta=self.delta, alpha=level,
             t=self.t, projected=self.projected, rule=self.rule, tau=self.tau, seed=self.seed * 1000 + self.checks,
             calibrate=self.calibrate, autocast_dtype=self._autocast_dtype(trainer), sync_fn=sync_fn, probe_size=size,
             sample_losses=self._pass_losses,
         )  # fmt: skip
         self.probe_seconds += time.perf_counter() - start
         self.checks += 1
-        self.alpha_index += 1
         return report, level
 
     @staticmethod

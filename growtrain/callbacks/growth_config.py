@@ -73,6 +73,8 @@ class GrowthConfig:
     tau: float = DEFAULT_TAU
     min_gain: float | None = DEFAULT_MIN_GAIN
     alpha_spending: Literal["constant", "geometric", "inverse_square"] = "constant"
+    restore_best: bool = True
+    trial_growth: bool = False
     top_k: int = 1
     max_growths: int | None = None
     max_blocks: int | None = None
@@ -137,10 +139,13 @@ class GrowthConfig:
         _choice("on_saturated", self.on_saturated, ON_SATURATED)
         _int("anneal_epochs", self.anneal_epochs, 1)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        for name in ("projected", "calibrate", "log_sites", "verbose"):
+        for name in ("projected", "calibrate", "log_sites", "verbose", "restore_best", "trial_growth"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, "True or False", getattr(self, name), f"pass {name}=True")
         _int("seed", self.seed, 0)
+        if self.trial_growth and self.min_gain is None:
+            raise _bad("trial_growth", "min_gain set (a trial growth is judged by its realized gain)", self.min_gain,
+                       "pass min_gain=0.01 with trial_growth=True, or trial_growth=False")  # fmt: skip
         for name in ("min_delta", "min_rel_delta", "delta", "alpha"):
             object.__setattr__(self, name, float(getattr(self, name)))
         if budget is not None:

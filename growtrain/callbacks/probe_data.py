@@ -207,3 +207,35 @@ def check_split_indices(dm: Any) -> None:
             f"probe: the datamodule's probe_indices and train_indices share {len(common)} sample(s) "
             f"(e.g. {sorted(common)[:5]}). The probe must be held out from training. Fix: make the splits disjoint."
         )
+
+
+class Fingerprinted:
+    """Iterates ``loader`` unchanged and keeps the per-sample fingerprints of the last complete
+    pass (``signatures``): min_gain pairs losses by sample, so it must know which samples it saw."""
+
+    def __init__(self, loader: Iterable):
+        self.loader = loader
+        self.signatures: torch.Tensor | None = None
+
+    def __iter__(self):
+        from growtrain.gain import sample_signatures
+
+        parts = []
+        for batch in self.loader:
+            parts.append(sample_signatures(batch))
+            yield batch
+        self.signatures = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def random_order(loader: Any) -> str | None:
+    """Why ``loader`` yields its samples in a random order (a shuffling sampler), else ``None``."""
+    from torch.utils.data import RandomSampler
+    from torch.utils.data.distributed import DistributedSampler
+
+    samplers = [getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
+    for sampler in samplers:
+        if isinstance(sampler, RandomSampler):
+            return f"its sampler is a RandomSampler (shuffle=True)"
+        if isinstance(sampler, DistributedSampler) and sampler.shuffle:
+            return "its DistributedSampler has shuffle=True"
+    return None

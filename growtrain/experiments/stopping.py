@@ -47,7 +47,7 @@ __all__ = ["StoppingResult", "run_stopping", "smallest_good_depth"]
 # never grows, so what happens to the learning rate around a growth, lr_schedule, does not touch it).
 DECISION_OPTIONS = ("rule", "tau", "alpha", "delta", "t", "alpha_spending", "top_k", "max_growths", "max_blocks",
                     "max_params", "calibrate", "projected", "seed", "log_sites", "probe_budget",
-                    "lr_schedule", "min_gain")  # fmt: skip
+                    "lr_schedule", "min_gain", "restore_best", "trial_growth")  # fmt: skip
 
 
 def smallest_good_depth(by_depth: dict[int, list[float]]) -> tuple[int, int]:

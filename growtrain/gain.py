@@ -1,0 +1,154 @@
+"""The realized-gain certificate: did the last growth lower the probe loss by more than ``min_gain``?
+
+Pure tensor functions (no Lightning). The question is one-sided and paired: with ``b_i`` the
+loss of probe sample ``i`` when the network last grew and ``a_i`` its loss now, the growth paid
+iff ``E[b − a] > g·E[b]`` (``g = min_gain``), i.e. iff the mean of
+
+    e_i = (1 − g)·b_i − a_i                                              (one number per sample)
+
+is positive. Writing the margin into ``e`` (instead of comparing the mean gain with ``g``
+times the *sample* mean of ``b``) keeps the margin's own sampling noise inside the bound.
+
+Why not the normal bound ``ē − z·se``: per-sample cross-entropy differences are strongly
+skewed (sample skewness −5 … +12 on real fits: a few samples flip class and move by several
+nats while most move by hundredths). Under a left-skewed null the normal bound said "paid" at
+twice its level (docs/decision.md, "The gain certificate's level"). The default is the
+**bootstrap-t** lower bound (Efron & Tibshirani 1993, §12.5; Hall 1992, §3.10): the
+studentized mean's own sampling distribution, read off resamples of ``e``, replaces the
+normal quantile, which corrects the skewness term of the one-sided coverage error (O(n^-1/2)
+→ O(n^-1)). The resamples come from a generator seeded by the caller, so every rank and a
+resumed run compute the same bound from the same losses.
+
+Pairing: ``b`` and ``a`` must be the same samples in the same order. :func:`sample_signatures`
+fingerprints each probe sample's content (inputs and targets, including their layout), and
+:func:`signature_mismatch` says where two fingerprints disagree, so a probe that changed
+(another sample, a shuffled loader) is refused instead of silently pairing strangers.
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+from typing import Any, Literal
+
+import torch
+
+__all__ = ["GAIN_METHODS", "gain_terms", "gain_lower_bound", "gain_test", "sample_signatures", "signature_mismatch"]
+
+GainMethod = Literal["bootstrap_t", "normal"]
+# "normal" is the plain CLT bound, kept as the reference the level study measures against.
+GAIN_METHODS: tuple[str, ...] = ("bootstrap_t", "normal")
+_RESAMPLES = 2000  # at level 0.05: 100 resamples beyond the quantile
+_MIN_TAIL = 50  # resamples beyond the quantile at small levels (alpha_spending): B ≥ 50 / level
+_MAX_RESAMPLES = 20000
+_CHUNK = 1 << 22  # indices drawn per chunk (32 MiB of int64): bounded memory for any probe size
+
+
+def gain_terms(before: torch.Tensor, after: torch.Tensor, min_gain: float) -> torch.Tensor:
+    """``e_i = (1 − g)·b_i − a_i`` in float64 (positive mean ⇔ the growth paid more than ``g``)."""
+    if before.shape != after.shape or before.dim() != 1 or before.numel() < 2:
+        raise ValueError(
+            f"gain: expected two 1-d per-sample loss vectors of one length >= 2; got {tuple(before.shape)} and "
+            f"{tuple(after.shape)}. Fix: score the same probe samples, in the same order, at both checks."
+        )
+    return (1.0 - min_gain) * before.double() - after.double()
+
+
+def _resample_count(level: float) -> int:
+    return int(min(_MAX_RESAMPLES, max(_RESAMPLES, math.ceil(_MIN_TAIL / level))))
+
+
+def gain_lower_bound(e: torch.Tensor, level: float, *, method: GainMethod = "bootstrap_t", seed: int = 0) -> float:
+    """A one-sided ``1 − level`` lower confidence bound on ``E[e]`` from i.i.d. terms ``e``."""
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level: expected a probability in (0, 1); got {level!r}")
+    if method not in GAIN_METHODS:
+        raise ValueError(f"method: expected one of {GAIN_METHODS}; got {method!r}")
+    e = e.detach().double().cpu()
+    n = e.numel()
+    mean, sd = float(e.mean()), float(e.std(unbiased=True))
+    se = sd / math.sqrt(n)
+    if method == "normal" or se == 0.0:
+        return mean - NormalDist().inv_cdf(1.0 - level) * se
+    # bootstrap-t: t*_b = (mean*_b − mean) / se*_b over resamples b; lower = mean − q_{1−level}(t*)·se
+    generator = torch.Generator().manual_seed(int(seed))
+    resamples = _resample_count(level)
+    per_chunk = max(1, _CHUNK // n)
+    t_star = []
+    for start in range(0, resamples, per_chunk):
+        rows = min(per_chunk, resamples - start)
+        draw = e[torch.randint(n, (rows, n), generator=generator)]
+        m, s = draw.mean(1), draw.std(1, unbiased=True) / math.sqrt(n)
+        # a resample of identical values has se* = 0: its t* is +inf when its mean is above (the
+        # conservative side), 0 when equal; such resamples only occur for tiny, tied probes
+        t = torch.where(s > 0, (m - mean) / s.clamp_min(1e-300), torch.where(m > mean, math.inf, 0.0))
+        t_star.append(t)
+    q = float(torch.quantile(torch.cat(t_star), 1.0 - level, interpolation="higher"))
+    return mean - q * se
+
+
+def gain_test(before: torch.Tensor, after: torch.Tensor, *, min_gain: float, level: float,
+              method: GainMethod = "bootstrap_t", seed: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Did the last growth pay? The figures a verdict needs, as plain numbers.
+
+    Returns ``paid`` (the lower bound on ``E[b − a] − g·E[b]`` is > 0, strictly), ``mean`` (mean
+    per-sample gain ``b − a``), ``se`` (its standard error), ``lower`` (the certified lower
+    bound on the mean gain: the bound on ``E[e]`` plus ``g·b̄``), ``margin`` (``g·b̄``: what
+    ``lower`` had to exceed), ``n``, ``loss_before``, ``loss_now``, ``method``, ``level``."""
+    e = gain_terms(before, after, min_gain)
+    d = before.double() - after.double()
+    n = d.numel()
+    loss_before = float(before.double().mean())
+    margin = min_gain * loss_before
+    lower_e = gain_lower_bound(e, level, method=method, seed=seed)
+    return {
+        "paid": lower_e > 0.0, "mean": float(d.mean()), "se": float(d.std(unbiased=True)) / math.sqrt(n),
+        "lower": lower_e + margin, "margin": margin, "n": n, "loss_before": loss_before,
+        "loss_now": float(after.double().mean()), "method": method, "level": float(level),
+    }  # fmt: skip
+
+
+# -- pairing by identity ----------------------------------------------------------------------
+def _leaves(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for k in sorted(batch, key=str) for t in _leaves(batch[k])]
+    if isinstance(batch, (list, tuple)):
+        return [t for item in batch for t in _leaves(item)]
+    return []
+
+
+def sample_signatures(batch: Any) -> torch.Tensor:
+    """One float64 fingerprint per sample of ``batch`` (shape ``(n,)``), from every tensor in it
+    whose first dimension is the batch's: inputs and targets alike.
+
+    Each tensor contributes ``Σ_j v_ij · w_j`` with fixed, position-dependent weights ``w``, so
+    another sample, a changed label or a permuted layout changes the fingerprint; summed over
+    tensors with distinct weights per tensor. Computed on the batch's device, returned on CPU."""
+    leaves = [t for t in _leaves(batch) if t.dim() >= 1]
+    if not leaves:
+        raise ValueError(f"probe: cannot fingerprint a batch of type {type(batch).__name__} (no tensors in it)")
+    n = leaves[0].shape[0]
+    out = torch.zeros(n, dtype=torch.float64, device=leaves[0].device)
+    for k, leaf in enumerate(t for t in leaves if t.shape[0] == n):
+        flat = leaf.detach().reshape(n, -1).double()
+        j = torch.arange(flat.shape[1], dtype=torch.float64, device=flat.device)
+        weights = 1.0 + 0.5 * torch.cos(0.7 * j + 1.3 * (k + 1))  # in [0.5, 1.5]: no cancellation to 0
+        out += flat @ weights
+    return out.cpu()
+
+
+def signature_mismatch(stored: torch.Tensor, now: torch.Tensor, rtol: float = 1e-6) -> str | None:
+    """``None`` when the two fingerprints are the same samples in the same order; else what differs."""
+    stored, now = stored.double(), now.double()
+    if stored.shape != now.shape:
+        return f"the probe had {stored.numel()} samples at the last growth and has {now.numel()} now"
+    scale = torch.maximum(stored.abs(), now.abs()).clamp_min(1.0)
+    differ = ((stored - now).abs() > rtol * scale).nonzero().flatten()
+    if differ.numel() == 0:
+        return None
+    same_set = torch.allclose(torch.sort(stored).values, torch.sort(now).values, rtol=rtol, atol=rtol)
+    kind = "the same samples in another order" if same_set else "other samples (content differs)"
+    return (f"{differ.numel()} of {now.numel()} probe samples differ from the last growth's, first at position "
+            f"{int(differ[0])}: {kind}")  # fmt: skip
