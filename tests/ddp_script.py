@@ -88,7 +88,7 @@ class AfterCheck(L.Callback):
             torch.save(blocks[0].state_dict(), os.path.join(self.out, f"inserted{trainer.global_rank}.pt"))
 
 
-def fit(out: str, epochs: int, same_buffers: bool) -> None:
+def fit(out: str, epochs: int, same_buffers: bool, restore_best: bool = True) -> None:
     os.makedirs(out, exist_ok=True)
     L.seed_everything(0)
     data = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=400, synthetic_classes=4,
@@ -97,8 +97,9 @@ def fit(out: str, epochs: int, same_buffers: bool) -> None:
     # cross-fit rule (its A/B split all-reduces mid-pass); 91 probe samples: shards of 46 and 45.
     # min_gain=0: every rank also scores the whole probe per sample (rank 0's losses broadcast), and
     # the second check (end of epoch 1) judges the first growth by its realized gain.
+    # (The negative control keeps an unpaid block, restore_best=False, so its drift stays visible.)
     grow = GrowUntilSaturated(monitor=None, rule="crossfit", max_growths=2, every_n_epochs=1, min_gain=0.0,
-                              verbose=False)  # fmt: skip
+                              restore_best=restore_best, verbose=False)  # fmt: skip
     snapshot = Snapshot(out, same_buffers)
     trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=epochs,
                         callbacks=[snapshot, grow, AfterCheck(out)],
@@ -137,10 +138,10 @@ def main() -> None:
     real_rewrap = GrowUntilSaturated._rewrap_ddp
     if args.no_rewrap:
         GrowUntilSaturated._rewrap_ddp = staticmethod(lambda trainer: None)
-    fit(args.out, args.epochs, args.same_buffers)
+    fit(args.out, args.epochs, args.same_buffers, restore_best=not args.no_rewrap)
     if args.then_no_rewrap:
         GrowUntilSaturated._rewrap_ddp = staticmethod(lambda trainer: None)
-        fit(args.then_no_rewrap, args.epochs, args.same_buffers)
+        fit(args.then_no_rewrap, args.epochs, args.same_buffers, restore_best=False)
         GrowUntilSaturated._rewrap_ddp = real_rewrap
 
 

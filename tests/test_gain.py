@@ -156,7 +156,7 @@ class ProbeLosses(L.Callback):
         pl_module.train(was)
 
 
-def _fit(min_gain, tmp_path, rule="paper", extra=(), max_epochs=20, ckpt=None, **kw):
+def _fit(min_gain, tmp_path, rule="paper", extra=(), max_epochs=20, ckpt=None, data=None, **kw):
     L.seed_everything(0)
     # the paper's rule with a tiny t always grows: only min_gain can end growth here
     kw = ({"t": 1e-12} if rule == "paper" else {}) | {"max_growths": 3} | kw
@@ -166,10 +166,10 @@ def _fit(min_gain, tmp_path, rule="paper", extra=(), max_epochs=20, ckpt=None, *
                                                        save_on_train_epoch_end=True)] if ckpt is not None else []  # fmt: skip
     trainer = L.Trainer(max_epochs=max_epochs, callbacks=[*extra, grow, *checkpoints], logger=False,
                         enable_checkpointing=bool(checkpoints), enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, default_root_dir=tmp_path)  # fmt: skip
+                        limit_val_batches=0, default_root_dir=tmp_path, deterministic=True)  # fmt: skip
     model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic",
                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=5e-4))  # fmt: skip
-    trainer.fit(model, tiny_dm(), ckpt_path=ckpt if ckpt not in (None, True) else None)
+    trainer.fit(model, (data or tiny_dm)(), ckpt_path=ckpt if ckpt not in (None, True) else None)
     grow.model = model
     return grow
 
@@ -242,13 +242,20 @@ def test_the_losses_at_the_last_growth_survive_a_checkpoint_in_order(tmp_path):
 
 def test_a_resumed_run_makes_the_same_gain_verdict(tmp_path):
     """Killed after the first growth (its epoch's checkpoint), resumed: the next check — a gain
-    verdict — decides exactly as the uninterrupted run's."""
-    full = _fit(0.0, tmp_path / "full", ckpt=True, max_growths=2)
+    verdict — decides exactly as the uninterrupted run's (an epoch-seeded train sampler, as in
+    test_resume.py: Lightning does not checkpoint the global generator a shuffling loader uses)."""
+    from test_resume import ResumableData
+
+    def data():
+        return ResumableData(dataset="synthetic", image_size=8, synthetic_size=400, synthetic_classes=4,
+                             probe_size=120, val_size=40, batch_size=32, augment=False)  # fmt: skip
+
+    full = _fit(0.0, tmp_path / "full", ckpt=True, max_growths=2, data=data)
     grew = next(h for h in full.history if h["action"] == "grow")
     verdict = next(h for h in full.history if "gain" in h)
     ckpt = tmp_path / "full" / "ckpt" / f"epoch={grew['epoch']}-step={grew['step']}.ckpt"
     assert ckpt.exists(), sorted(p.name for p in (tmp_path / "full" / "ckpt").iterdir())
-    resumed = _fit(0.0, tmp_path / "resumed", ckpt=str(ckpt), max_growths=2)
+    resumed = _fit(0.0, tmp_path / "resumed", ckpt=str(ckpt), max_growths=2, data=data)
     again = next(h for h in resumed.history if "gain" in h)
     assert again["check"] == verdict["check"] and again["gain"] == verdict["gain"]
     assert [h["action"] for h in resumed.history] == [h["action"] for h in full.history]
