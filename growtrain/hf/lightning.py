@@ -26,6 +26,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 
+from growtrain.fsdp import ShardedBlocksMixin
 from growtrain.hf.adapter import growable
 from growtrain.lm import TokenStepsMixin, gpt2_adamw, token_cross_entropy
 from growtrain.module import ConfiguredOptimizerMixin, GrowableModuleMixin, SharedStepsMixin
@@ -55,7 +56,7 @@ def load_local(path: str, dtype: Optional[str] = None, attn_implementation: Opti
     return AutoModelForCausalLM.from_pretrained(str(root), **kwargs)
 
 
-class HFCausalLM(TokenStepsMixin, GrowableModuleMixin, ConfiguredOptimizerMixin, SharedStepsMixin, LightningModule):
+class HFCausalLM(TokenStepsMixin, GrowableModuleMixin, ShardedBlocksMixin, ConfiguredOptimizerMixin, SharedStepsMixin, LightningModule):
     """Causal LM around a growable Hugging Face decoder.
 
     Args:
