@@ -2,9 +2,10 @@
 
 Lightning's launcher re-runs this script for rank 1, so it is a plain script:
 
-    PYTHONPATH=. python tests/fsdp_script.py --out DIR --model gpt|llama --runs fsdp,ddp,...
+    PYTHONPATH=. python tests/fsdp_script.py --out DIR --runs gpt:fsdp,gpt:ddp,llama:fsdp,...
 
-Each run is a fit in the same two processes (one launch, several fits), on the same batches:
+Each run is a fit in the same two processes (one launch, several fits), on the same batches, of
+growtrain's decoder (``gpt``: ``LanguageModel``) or a tiny random HF Llama (``llama``: ``HFCausalLM``):
 
 * ``fsdp``: ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)``, the module's
   own ``configure_model`` (one ``fully_shard`` unit per decoder block, then the root); a
@@ -12,6 +13,8 @@ Each run is a fit in the same two processes (one launch, several fits), on the s
 * ``ddp``: ``strategy="ddp"``, the same module, data, seeds and callback;
 * ``resume``: FSDP2 again, from the sharded checkpoint written after epoch ``--resume-epoch`` of
   the ``fsdp`` run, to the same number of epochs;
+* ``resume_unhooked``: the same resume with the grower's resume hook taken away (must fail with
+  a clear error, not train on at the wrong depth);
 * ``full``: FSDP2 with ``save_distributed_checkpoint=False`` (one full-state file, rank 0);
 * ``noshard``: FSDP2 with the new block left unsharded (the negative control: its gradients
   are never reduced, so the ranks drift apart);
@@ -19,9 +22,10 @@ Each run is a fit in the same two processes (one launch, several fits), on the s
   insertion must be caught by the output check and rolled back on every rank: the fit raises
   ``FunctionChangedError``, and the model, back at its depth, still runs sharded).
 
-Each rank writes ``{run}_rank{r}.json`` (history, growth log, optimizer groups, facts about the
-sharded new block seen right after the growth) and rank 0 ``{run}_params.pt`` (the whole
-gathered state dict at the end) and, for ``fsdp``, ``{run}_probe.json``.
+Each rank writes ``{model}:{run}_rank{r}.json`` (history, growth log, optimizer groups, facts about
+the sharded new block seen right after the first growth) and rank 0 ``{model}:{run}_params.pt``
+(the whole gathered state dict at the end); ``llama:fsdp`` also writes ``llama_hf`` with
+``HFCausalLM.save_pretrained`` (gathered, written by rank 0).
 """
 
 from __future__ import annotations
@@ -127,14 +131,16 @@ def _policy(unit) -> str:
     return repr((p["mesh"], p["mp_policy"], p["offload_policy"], p.get("reshard_after_forward")))
 
 
-def fit(args, run: str) -> None:
+def fit(args, name: str) -> None:
     out = args.out
+    model, _, run = name.rpartition(":")
+    model = model or "gpt"
     L.seed_everything(0)
-    module = make_module(args.model)
+    module = make_module(model)
     after = AfterGrowth()
     grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, rule="crossfit", min_gain=0.0, max_growths=2,
                               alpha=0.5, verbose=False, seed=1)  # fmt: skip
-    ckpt_dir = os.path.join(out, f"{run}_ckpt")
+    ckpt_dir = os.path.join(out, f"{name}_ckpt")
     callbacks = [grow, after]
     strategy: object = "ddp"
     if run != "ddp":
@@ -147,50 +153,55 @@ def fit(args, run: str) -> None:
                         logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         default_root_dir=out, enable_checkpointing=run in ("fsdp", "full"))  # fmt: skip
     ckpt = None
-    if run == "resume":
-        ckpt = os.path.join(out, "fsdp_ckpt", f"epoch={args.resume_epoch}.ckpt")
+    if run.startswith("resume"):
+        ckpt = os.path.join(out, f"{model}:fsdp_ckpt", f"epoch={args.resume_epoch}.ckpt")
     error = None
     try:
         trainer.fit(module, Tokens(), ckpt_path=ckpt)
     except Exception as err:  # the "broken" run: recorded, then checked by the test
-        if run != "broken":
+        if run not in ("broken", "resume_unhooked"):
             raise
         error = f"{type(err).__name__}: {err}"
     rank = trainer.global_rank
     units = fsdp.fsdp_units(module)
     roots = [u._get_fsdp_state() for u in units if u._get_fsdp_state()._is_root]
     state = fsdp.full_state_dict(module)  # a collective (it runs after a rolled-back insertion too); rank 0 gets it
+    grown = [p.full_tensor() if hasattr(p, "full_tensor") else p  # full_tensor: a collective, same order on all ranks
+             for b in grown_blocks(module.growable_network) for p in b.parameters()]  # fmt: skip
+    grown_sum = float(sum(t.detach().double().abs().sum() for t in grown)) if grown else None
     result = {
         "rank": rank, "run": run, "world_size": trainer.world_size, "history": grow.history,
         "growth_log": module.growable_network.growth_log, "error": error,
         "param_groups": [g.get("name") for g in trainer.optimizers[0].param_groups] if trainer.optimizers else [],
         "after_growth": after.facts, "depth": module.growable_network.depth(),
-        "units": len(units), "root_states": [len(r._state_ctx.all_states) for r in roots],
+        "grown_sum": grown_sum, "units": len(units), "root_states": [len(r._state_ctx.all_states) for r in roots],
         "local_checksum": float(sum(p.to_local().double().sum() if hasattr(p, "to_local") else p.double().sum()
                                     for p in module.parameters())),
     }  # fmt: skip
+    if model == "llama" and run == "fsdp":
+        module.save_pretrained(os.path.join(out, "llama_hf"))  # every rank: the state is gathered, rank 0 writes
     if rank == 0:
-        torch.save(state, os.path.join(out, f"{run}_params.pt"))
-    with open(os.path.join(out, f"{run}_rank{rank}.json"), "w") as f:
+        torch.save(state, os.path.join(out, f"{name}_params.pt"))
+    with open(os.path.join(out, f"{name}_rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--model", default="gpt", choices=("gpt", "llama"))
-    parser.add_argument("--runs", default="fsdp,ddp")
+    parser.add_argument("--runs", default="gpt:fsdp,gpt:ddp", help="model:run,... (model gpt or llama)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--resume-epoch", type=int, default=1)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.set_num_threads(1)
-    for run in args.runs.split(","):
+    for name in args.runs.split(","):
+        run = name.rpartition(":")[2]
         if run == "noshard":
             real = fsdp.shard_like_neighbours
             fsdp.shard_like_neighbours = lambda network, blocks, root=None: []
             try:
-                fit(args, run)
+                fit(args, name)
             finally:
                 fsdp.shard_like_neighbours = real
         elif run == "broken":
@@ -205,11 +216,20 @@ def main() -> None:
 
             fsdp.shard_like_neighbours = shard_then_break
             try:
-                fit(args, run)
+                fit(args, name)
             finally:
                 fsdp.shard_like_neighbours = real
+        elif run == "resume_unhooked":  # the grower's resume hook taken away: a clear error, not wrong weights
+            from growtrain.callbacks import sharded
+
+            real_install = sharded.install_resume
+            sharded.install_resume = lambda trainer, network_of: None
+            try:
+                fit(args, name)
+            finally:
+                sharded.install_resume = real_install
         else:
-            fit(args, run)
+            fit(args, name)
 
 
 if __name__ == "__main__":
