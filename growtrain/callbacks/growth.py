@@ -34,7 +34,6 @@ from growtrain.callbacks import sharded, telemetry
 from growtrain.callbacks.growth_config import GrowthConfig
 from growtrain.callbacks.probe_data import (
     ProbeView, check_split_indices, datasets_of, eval_output, first_input, loaders_of, per_sample_losses, probe_overlap,
-    shard_loader,
 )  # fmt: skip
 from growtrain.batches import to_device
 from growtrain.crossfit import probe_size
@@ -329,15 +328,8 @@ class GrowUntilSaturated(Callback):
                     f"strategy: GrowUntilSaturated does not support {type(strategy).__name__} ({why}). "
                     f"Supported: one device, strategy='ddp', and FSDP2. Fix: use {instead}."
                 )
-        if sharded.is_model_parallel(strategy):
-            sharded.check_model_parallel(trainer)
-            if self.rule == "relative":
-                raise ValueError(
-                    "rule: 'relative' reads the existing blocks' parameter gradients, which FSDP2 keeps on its "
-                    f"gathered copies, not on the sharded parameters, under {type(strategy).__name__}. "
-                    "Fix: rule='crossfit' (with min_gain, the default) or rule='paper'."
-                )
-            return
+        if sharded.is_model_parallel(strategy):  # FSDP2: data parallel only, no rule="relative"
+            return sharded.check_model_parallel(trainer, self.rule)
         launcher = getattr(strategy, "launcher", None)
         if launcher is not None and type(launcher).__name__ == "_MultiProcessingLauncher":
             raise RuntimeError(
@@ -372,11 +364,7 @@ class GrowUntilSaturated(Callback):
             loader = source
         else:
             loader = source()
-        if not shard:
-            return loader
-        if sharded.is_model_parallel(trainer.strategy):  # equal shards: every probe pass is a collective
-            return sharded.equal_shards(loader, trainer.global_rank, trainer.world_size)
-        return shard_loader(loader, trainer.global_rank, trainer.world_size)
+        return sharded.shard_probe(loader, trainer) if shard else loader  # FSDP2: equal shards
 
     # -- hooks -----------------------------------------------------------------------------
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -33,7 +33,7 @@ from torch import nn
 from growtrain import fsdp
 from growtrain.growable import replay_growth
 
-__all__ = ["is_model_parallel", "check_model_parallel", "equal_shards", "install_resume", "growth_records",
+__all__ = ["is_model_parallel", "check_model_parallel", "equal_shards", "shard_probe", "install_resume", "growth_records",
            "zero_state", "REFUSED"]  # fmt: skip
 
 # Strategy class name → (why growth cannot run under it, what to use instead).
@@ -59,9 +59,15 @@ def is_model_parallel(strategy: Any) -> bool:
     return any(cls.__name__ == "ModelParallelStrategy" for cls in type(strategy).__mro__)
 
 
-def check_model_parallel(trainer: Any) -> None:
-    """At setup: FSDP2 data parallelism only (tensor-parallel size 1), with the fix."""
+def check_model_parallel(trainer: Any, rule: str | None = None) -> None:
+    """At setup: FSDP2 data parallelism only (tensor-parallel size 1), and not ``rule="relative"``."""
     strategy = trainer.strategy
+    if rule == "relative":
+        raise ValueError(
+            "rule: 'relative' reads the existing blocks' parameter gradients, which FSDP2 keeps on its gathered "
+            f"copies, not on the sharded parameters, under {type(strategy).__name__}. Fix: rule='crossfit' (with "
+            "min_gain, the default) or rule='paper'."
+        )
     mesh = getattr(strategy, "_device_mesh", None)
     if mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ()):
         tp, dp = mesh["tensor_parallel"].size(), mesh["data_parallel"].size()
@@ -111,6 +117,15 @@ def zero_state(optimizer: Any, params: list) -> None:
             f"GrowUntilSaturated: the new block's optimizer state starts empty ({', '.join(problems)} has no known zero "
             "state); a sharded checkpoint saved before its first optimizer step will not load. Use Adam/AdamW or SGD."
         )
+
+
+def shard_probe(loader: Any, trainer: Any) -> Any:
+    """This rank's shard of the probe: ``equal_shards`` under ``ModelParallelStrategy`` (every
+    probe pass is a collective there), ``probe_data.shard_loader`` otherwise (DDP)."""
+    from growtrain.callbacks.probe_data import shard_loader
+
+    shard = equal_shards if is_model_parallel(trainer.strategy) else shard_loader
+    return shard(loader, trainer.global_rank, trainer.world_size)
 
 
 def growth_records(path: Path, weights_only: bool | None = None) -> list[dict] | None:
