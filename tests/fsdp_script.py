@@ -16,6 +16,8 @@ growtrain's decoder (``gpt``: ``LanguageModel``) or a tiny random HF Llama (``ll
 * ``resume_unhooked``: the same resume with the grower's resume hook taken away (must fail with
   a clear error, not train on at the wrong depth);
 * ``full``: FSDP2 with ``save_distributed_checkpoint=False`` (one full-state file, rank 0);
+* ``mp``: FSDP2 with bf16 compute (``MixedPrecisionPolicy``) and ``reshard_after_forward=False``
+  on every unit: the new blocks must copy that policy;
 * ``noshard``: FSDP2 with the new block left unsharded (the negative control: its gradients
   are never reduced, so the ranks drift apart);
 * ``broken``: FSDP2 with the inserted block's output map made non-zero before sharding (the
@@ -117,6 +119,8 @@ class AfterGrowth(L.Callback):
                 and all(float(opt.state[p][k].abs().sum()) == 0 for k in ("exp_avg", "exp_avg_sq"))
                 for g in groups for p in g["params"]) if run_kind(trainer) == "fsdp" else
                 all(len(opt.state.get(p, {})) == 0 for g in groups for p in g["params"]),
+            "policy": {k: str(getattr(v, "param_dtype", v)) for k, v in fsdp.shard_policy(block).items()
+                       if k in ("mp_policy", "reshard_after_forward")} if fsdp.is_sharded(block) else None,
             "same_policy": _policy(block) == _policy(pl_module.growable_network.stage(
                 pl_module.growable_network.growable_stages[0])[-1]) if fsdp.is_sharded(block) else None,
         }  # fmt: skip
@@ -137,6 +141,11 @@ def fit(args, name: str) -> None:
     model = model or "gpt"
     L.seed_everything(0)
     module = make_module(model)
+    if run == "mp":  # a policy unlike fully_shard's defaults: the new blocks must copy it
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        module.fsdp_policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                              "reshard_after_forward": False}  # fmt: skip
     after = AfterGrowth()
     grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, rule="crossfit", min_gain=0.0, max_growths=2,
                               alpha=0.5, verbose=False, seed=1)  # fmt: skip

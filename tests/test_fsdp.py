@@ -1,10 +1,11 @@
 """GrowUntilSaturated under FSDP2 (Lightning's ModelParallelStrategy): 2 CPU processes (gloo).
 
-One launch of ``tests/fsdp_script.py`` runs nine fits in the same two processes (see its
+One launch of ``tests/fsdp_script.py`` runs ten fits in the same two processes (see its
 docstring): growtrain's decoder (``gpt``) under FSDP2 and under DDP on the same batches, a resume
 from the FSDP2 run's sharded checkpoint, the same resume without the grower's hook, a full-state
-checkpoint, two negative controls (the new block left unsharded; an insertion that changes the
-function), and a tiny random HF Llama under FSDP2 and DDP. The independent references are the
+checkpoint, bf16 compute with a non-default policy, two negative controls (the new block left
+unsharded; an insertion that changes the function), and a tiny random HF Llama under FSDP2 and
+DDP. The independent references are the
 DDP runs (the established path, tests/test_ddp.py) and the uninterrupted run; the checks fail
 when a piece is taken away (noshard, broken, resume_unhooked).
 """
@@ -26,8 +27,8 @@ from growtrain.callbacks.sharded import equal_shards
 
 from tests.test_ddp import ROOT, _free_port, clean_env
 
-RUNS = ("gpt:fsdp", "gpt:ddp", "gpt:resume", "gpt:resume_unhooked", "gpt:full", "gpt:noshard", "gpt:broken",
-        "llama:fsdp", "llama:ddp")  # fmt: skip
+RUNS = ("gpt:fsdp", "gpt:ddp", "gpt:resume", "gpt:resume_unhooked", "gpt:full", "gpt:mp", "gpt:noshard",
+        "gpt:broken", "llama:fsdp", "llama:ddp")  # fmt: skip
 LOCAL = ("max_abs_change", "tolerance")  # each rank verifies the insertion on its own first probe batch
 
 
@@ -95,6 +96,21 @@ def test_fsdp2_and_ddp_make_the_same_decisions_and_reach_the_same_parameters(run
     assert set(p_fsdp) == set(ddp_keys) and len(p_fsdp) > 10
     for key, value in p_fsdp.items():
         torch.testing.assert_close(value, ddp_keys[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_new_block_copies_a_non_default_policy_bf16_compute_and_no_reshard_after_forward(runs):
+    results, _ = runs
+    r0, r1 = results["gpt:mp"]
+    assert r0["error"] is None and _strip(r0["history"]) == _strip(r1["history"])
+    assert [h["action"] for h in r0["history"]] == ["grow", "grow", "budget"]
+    facts = r0["after_growth"]
+    assert facts["policy"] == {"mp_policy": "torch.bfloat16", "reshard_after_forward": "False"}
+    assert facts["same_policy"] and facts["roots"] == 1 and facts["in_root_states"]
+    assert facts["dtensor_params"]  # resharded before the optimizer took them, though units keep them gathered
+    # the probe ran in bf16 (autocast to the policy's dtype) and decided as the float32 run did
+    fp32 = results["gpt:fsdp"][0]["history"]
+    assert [h.get("site") for h in r0["history"]] == [h.get("site") for h in fp32]
+    assert r0["history"][0]["gamma"] == pytest.approx(fp32[0]["gamma"], rel=0.05)
 
 
 def test_negative_control_an_unsharded_new_block_drifts_apart_across_ranks(runs):

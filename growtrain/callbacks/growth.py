@@ -647,7 +647,7 @@ class GrowUntilSaturated(Callback):
             return torch.bfloat16
         if precision.startswith("16-mixed"):
             return torch.float16 if trainer.strategy.root_device.type == "cuda" else torch.bfloat16
-        return None
+        return sharded.compute_dtype(trainer.lightning_module)  # FSDP2 MixedPrecisionPolicy(param_dtype=...), or None
 
     @staticmethod
     def _depth(network: nn.Module) -> int | None:

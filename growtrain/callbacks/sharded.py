@@ -33,7 +33,7 @@ from torch import nn
 from growtrain import fsdp
 from growtrain.growable import replay_growth
 
-__all__ = ["is_model_parallel", "check_model_parallel", "equal_shards", "shard_probe", "install_resume", "growth_records",
+__all__ = ["is_model_parallel", "check_model_parallel", "equal_shards", "shard_probe", "compute_dtype", "install_resume", "growth_records",
            "zero_state", "REFUSED"]  # fmt: skip
 
 # Strategy class name → (why growth cannot run under it, what to use instead).
@@ -126,6 +126,17 @@ def shard_probe(loader: Any, trainer: Any) -> Any:
 
     shard = equal_shards if is_model_parallel(trainer.strategy) else shard_loader
     return shard(loader, trainer.global_rank, trainer.world_size)
+
+
+def compute_dtype(module: nn.Module | None) -> torch.dtype | None:
+    """The dtype FSDP2 computes in when a ``MixedPrecisionPolicy`` sets ``param_dtype`` (None
+    otherwise). The probe's candidate blocks keep the parameters' dtype, so the probe runs them
+    under autocast to it, as the sharded blocks compute."""
+    for unit in fsdp.fsdp_units(module) if module is not None else []:
+        dtype = fsdp.shard_policy(unit)["mp_policy"].param_dtype
+        if dtype is not None:
+            return dtype
+    return None
 
 
 def growth_records(path: Path, weights_only: bool | None = None) -> list[dict] | None:
