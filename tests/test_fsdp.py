@@ -106,7 +106,8 @@ def test_a_new_block_copies_a_non_default_policy_bf16_compute_and_no_reshard_aft
     facts = r0["after_growth"]
     assert facts["policy"] == {"mp_policy": "torch.bfloat16", "reshard_after_forward": "False"}
     assert facts["same_policy"] and facts["roots"] == 1 and facts["in_root_states"]
-    assert facts["dtensor_params"]  # resharded before the optimizer took them, though units keep them gathered
+    # resharded before the optimizer took them, though these units keep their parameters gathered after a forward
+    assert facts["dtensor_params"] and facts["new_groups"] == ["growth0", "growth0/no_decay"]
     # the probe ran in bf16 (autocast to the policy's dtype) and decided as the float32 run did
     fp32 = results["gpt:fsdp"][0]["history"]
     assert [h.get("site") for h in r0["history"]] == [h.get("site") for h in fp32]
