@@ -80,6 +80,8 @@ def test_fsdp2_and_ddp_make_the_same_decisions_and_reach_the_same_parameters(run
     assert fs["growth_log"] == dd["growth_log"]
     assert [(h["action"], h.get("site")) for h in fs["history"]] == [(h["action"], h.get("site")) for h in dd["history"]]
     for a, b in zip(fs["history"], dd["history"]):
+        for key in ("params_before", "params", "depth_before", "depth", "saturated", "level"):  # DTensor numel = global
+            assert a.get(key) == b.get(key), key
         for key in ("gamma", "n"):
             if b.get(key) is None:  # the budget check does not probe
                 assert a.get(key) is None, key
