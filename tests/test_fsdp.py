@@ -1,6 +1,6 @@
 """GrowUntilSaturated under FSDP2 (Lightning's ModelParallelStrategy): 2 CPU processes (gloo).
 
-One launch of ``tests/fsdp_script.py`` runs ten fits in the same two processes (see its
+One launch of ``tests/fsdp_script.py`` runs eleven fits in the same two processes (see its
 docstring): growtrain's decoder (``gpt``) under FSDP2 and under DDP on the same batches, a resume
 from the FSDP2 run's sharded checkpoint, the same resume without the grower's hook, a full-state
 checkpoint, bf16 compute with a non-default policy, two negative controls (the new block left
@@ -28,7 +28,7 @@ from growtrain.callbacks.sharded import equal_shards
 from tests.test_ddp import ROOT, _free_port, clean_env
 
 RUNS = ("gpt:fsdp", "gpt:ddp", "gpt:resume", "gpt:resume_unhooked", "gpt:full", "gpt:mp", "gpt:noshard",
-        "gpt:broken", "llama:fsdp", "llama:ddp")  # fmt: skip
+        "gpt:broken", "llama:fsdp", "llama:ddp", "llama:resume")  # fmt: skip
 LOCAL = ("max_abs_change", "tolerance")  # each rank verifies the insertion on its own first probe batch
 
 
@@ -134,17 +134,22 @@ def test_an_insertion_that_changes_the_function_is_rolled_back_on_every_rank(run
         # ... and the model still runs sharded collectives afterwards (the script gathered its state)
 
 
-def test_sharded_checkpoint_resume_grows_first_and_continues_identically(runs):
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_sharded_checkpoint_resume_grows_first_and_continues_identically(runs, model):
     results, out = runs
-    full, resumed = results["gpt:fsdp"], results["gpt:resume"]
-    for a, b in zip(full, resumed):
-        assert b["error"] is None and b["growth_log"] == a["growth_log"]
+    full, resumed = results[f"{model}:fsdp"], results[f"{model}:resume"]
+    for a, b in zip(full, resumed):  # resumed from the checkpoint written right after the second growth
+        assert b["error"] is None and b["growth_log"] == a["growth_log"] and len(a["growth_log"]) == 2
         assert _strip(b["history"]) == _strip(a["history"])
-        assert b["param_groups"] == a["param_groups"] and b["units"] == a["units"]
-    p_full, p_resumed = _params(out, "gpt:fsdp"), _params(out, "gpt:resume")
+        assert b["param_groups"] == a["param_groups"] and b["units"] == a["units"] == 5
+    p_full, p_resumed = _params(out, f"{model}:fsdp"), _params(out, f"{model}:resume")
     assert set(p_full) == set(p_resumed)
     for key in p_full:
         torch.testing.assert_close(p_resumed[key], p_full[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_a_sharded_resume_without_the_growers_hook_is_a_clear_error(runs):
+    results, _ = runs
     for r in results["gpt:resume_unhooked"]:  # without the grower's hook: refused, not trained at the wrong depth
         assert "RuntimeError: checkpoint: it records 2 growth(s) but this FSDP2-sharded model has 0" in r["error"]
         assert "Fix: resume with GrowUntilSaturated" in r["error"]
