@@ -4,10 +4,11 @@ One launch of ``tests/fsdp_script.py`` runs eleven fits in the same two processe
 docstring): growtrain's decoder (``gpt``) under FSDP2 and under DDP on the same batches, a resume
 from the FSDP2 run's sharded checkpoint, the same resume without the grower's hook, a full-state
 checkpoint, bf16 compute with a non-default policy, two negative controls (the new block left
-unsharded; an insertion that changes the function), and a tiny random HF Llama under FSDP2 and
-DDP. The independent references are the
-DDP runs (the established path, tests/test_ddp.py) and the uninterrupted run; the checks fail
-when a piece is taken away (noshard, broken, resume_unhooked).
+unsharded; an insertion that changes the function), and a tiny random HF Llama under FSDP2, under
+DDP and resumed. The independent references are the DDP runs (the established path,
+tests/test_ddp.py) and the uninterrupted run; the checks fail when a piece is taken away
+(noshard, broken, resume_unhooked; and by hand: reinit_root, the policy copy, reshard_all and
+the explicit zero state each disabled makes a test here fail).
 """
 
 from __future__ import annotations
