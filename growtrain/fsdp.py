@@ -237,6 +237,15 @@ class ShardedBlocksMixin:
         if mesh is None:
             return
         network = self.growable_network
+        inside = {id(p) for p in network.parameters()}
+        outside = [name for name, p in self.named_parameters() if id(p) not in inside]
+        if outside:  # they would be neither sharded nor synchronised: the ranks would train them apart
+            raise ValueError(
+                f"configure_model: ShardedBlocksMixin shards the growable network only, but {type(self).__name__} "
+                f"has parameters outside it ({', '.join(outside[:3])}{', ...' if len(outside) > 3 else ''}). Fix: "
+                "override configure_model and fully_shard those modules too (growtrain.fsdp.shard_blocks shards the "
+                "network's blocks and root)."
+            )
         blocks = [b for stage in network.growable_stages for b in network.stage(stage)]
         shard_blocks(network, blocks, dp_mesh_of(mesh), **dict(self.fsdp_policy))
 

@@ -214,3 +214,16 @@ def test_equal_shards_give_every_rank_the_same_number_of_probe_samples():
     assert [len(list(equal_shards(loader, r, 2))) for r in (0, 1)] == [3, 3]  # batches line up
     with pytest.raises(ValueError, match="probe: 1 probe sample"):
         equal_shards(DataLoader(TensorDataset(torch.ones(1), torch.ones(1)), batch_size=1), 0, 2)
+
+
+def test_sharded_blocks_mixin_refuses_parameters_outside_the_network_and_is_a_no_op_without_a_mesh():
+    from growtrain import fsdp
+    from growtrain.lm import LanguageModel
+
+    module = LanguageModel(n_layer=1, d_model=8, n_head=2, block_size=4, vocab_size=8)
+    module.configure_model()  # one device / DDP: no device mesh, nothing sharded
+    assert not fsdp.is_sharded(module)
+    module.extra = torch.nn.Linear(2, 2)
+    module._device_mesh = object()  # as ModelParallelStrategy sets it; refused before any fully_shard
+    with pytest.raises(ValueError, match=r"parameters outside it \(extra.weight, extra.bias\). Fix: override"):
+        module.configure_model()
