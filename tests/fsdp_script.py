@@ -111,7 +111,9 @@ class AfterGrowth(L.Callback):
             and block._get_fsdp_state() in root_state._state_ctx.all_states,
             "roots": len(roots),
             "shared_ctx": root_state is not None and block in units
-            and block._get_fsdp_state()._state_ctx is root_state._state_ctx,
+            and block._get_fsdp_state()._state_ctx is root_state._state_ctx
+            # the communication context too: the implicit prefetch order (post_forward_order) lives there
+            and all(g.comm_ctx is root_state._comm_ctx for g in block._get_fsdp_state()._fsdp_param_groups),
             "new_groups": [g.get("name") for g in groups],
             # zero state: what AdamW's first step would create (step 0, zero moments), written at once
             "new_group_state_zero": all(
