@@ -1,11 +1,12 @@
 """GrowUntilSaturated under FSDP2 (Lightning's ModelParallelStrategy): 2 CPU processes (gloo).
 
-One launch of ``tests/fsdp_script.py`` runs eleven fits in the same two processes (see its
+One launch of ``tests/fsdp_script.py`` runs thirteen fits in the same two processes (see its
 docstring): growtrain's decoder (``gpt``) under FSDP2 and under DDP on the same batches, a resume
 from the FSDP2 run's sharded checkpoint, the same resume without the grower's hook, a full-state
 checkpoint, bf16 compute with a non-default policy, two negative controls (the new block left
-unsharded; an insertion that changes the function), and a tiny random HF Llama under FSDP2, under
-DDP and resumed. The independent references are the DDP runs (the established path,
+unsharded; an insertion that changes the function), a tiny random HF Llama under FSDP2, under
+DDP and resumed, and a user's own module (``ShardedBlocksMixin`` over a GrowableStack of MLP
+blocks with BatchNorm, SGD with momentum) under FSDP2 and DDP. The independent references are the DDP runs (the established path,
 tests/test_ddp.py) and the uninterrupted run; the checks fail when a piece is taken away
 (noshard, broken, resume_unhooked; and by hand: reinit_root, the policy copy, reshard_all and
 the explicit zero state each disabled makes a test here fail).
@@ -29,7 +30,7 @@ from growtrain.callbacks.sharded import equal_shards
 from tests.test_ddp import ROOT, _free_port, clean_env
 
 RUNS = ("gpt:fsdp", "gpt:ddp", "gpt:resume", "gpt:resume_unhooked", "gpt:full", "gpt:mp", "gpt:noshard",
-        "gpt:broken", "llama:fsdp", "llama:ddp", "llama:resume")  # fmt: skip
+        "gpt:broken", "llama:fsdp", "llama:ddp", "llama:resume", "own:fsdp", "own:ddp")  # fmt: skip
 LOCAL = ("max_abs_change", "tolerance")  # each rank verifies the insertion on its own first probe batch
 
 
@@ -54,7 +55,7 @@ def _strip(history):
     return [{k: v for k, v in h.items() if k not in LOCAL} for h in history]
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize("model", ["gpt", "llama", "own"])
 def test_growth_under_fsdp2_shards_the_new_block_like_its_neighbours(runs, model):
     results, _ = runs
     r0, r1 = results[f"{model}:fsdp"]
@@ -67,14 +68,18 @@ def test_growth_under_fsdp2_shards_the_new_block_like_its_neighbours(runs, model
     assert facts["block_is_unit"] and facts["dtensor_params"] and facts["same_policy"]
     # one root, whose lazily initialised list of units includes the new one, sharing its context
     assert facts["roots"] == 1 and facts["in_root_states"] and facts["shared_ctx"]
-    assert facts["new_groups"] == ["growth0", "growth0/no_decay"] and facts["new_group_state_zero"]
-    assert r0["param_groups"] == ["base", "base/no_decay", "growth0", "growth0/no_decay", "growth1", "growth1/no_decay"]
+    # zero state, written at once: AdamW's step 0 and zero moments; SGD's zero momentum buffer (own)
+    assert facts["new_group_state_zero"]
+    assert facts["new_state_keys"] == (["momentum_buffer"] if model == "own" else ["exp_avg", "exp_avg_sq", "step"])
+    groups = ["base", "growth0", "growth1"] if model == "own" else [  # own: SGD over param_groups(network)
+        "base", "base/no_decay", "growth0", "growth0/no_decay", "growth1", "growth1/no_decay"]  # fmt: skip
+    assert facts["new_groups"] == [g for g in groups if g.startswith("growth0")] and r0["param_groups"] == groups
     assert r0["units"] == r0["depth"] + 1 == 5 and r0["root_states"] == [5]  # blocks + root
     assert r0["history"][0]["max_abs_change"] == 0.0  # the sharded insertion is exact in float32
     assert r0["grown_sum"] == r1["grown_sum"]
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize("model", ["gpt", "llama", "own"])
 def test_fsdp2_and_ddp_make_the_same_decisions_and_reach_the_same_parameters(runs, model):
     results, out = runs
     fs, dd = results[f"{model}:fsdp"][0], results[f"{model}:ddp"][0]
