@@ -23,6 +23,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 from torch.nn import functional as F
 
+from growtrain.fsdp import ShardedBlocksMixin
 from growtrain.models.gpt import GPT, GPTConfig
 from growtrain.module import ConfiguredOptimizerMixin, GrowableModuleMixin, SharedStepsMixin, WeightedMean
 
@@ -85,7 +86,7 @@ class TokenStepsMixin:
         return loss
 
 
-class LanguageModel(TokenStepsMixin, GrowableModuleMixin, ConfiguredOptimizerMixin, SharedStepsMixin, LightningModule):
+class LanguageModel(TokenStepsMixin, GrowableModuleMixin, ShardedBlocksMixin, ConfiguredOptimizerMixin, SharedStepsMixin, LightningModule):
     """Causal language model around a growable decoder.
 
     Args:

@@ -110,8 +110,20 @@ class GrowableModuleMixin:
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
         records = checkpoint.get("growtrain", {}).get("growth", [])
+        network = self.growable_network
+        if len(records) > len(network.growth_log):
+            from growtrain.fsdp import is_sharded
+
+            if is_sharded(self):  # ModelParallelStrategy has loaded the shards already, into the ungrown model
+                raise RuntimeError(
+                    f"checkpoint: it records {len(records)} growth(s) but this FSDP2-sharded model has "
+                    f"{len(network.growth_log)}, and its shards were loaded before this hook could grow it (a "
+                    "distributed load fills only the keys the model has: the weights would sit at the wrong depth). "
+                    "Fix: resume with GrowUntilSaturated in the trainer's callbacks (it grows the model to the "
+                    "checkpoint's depth before the shards load)."
+                )
         # Inserts fresh blocks at the recorded sites, in order; load_state_dict fills them next.
-        replay_growth(self.growable_network, records)
+        replay_growth(network, records)
 
 
 class ConfiguredOptimizerMixin:

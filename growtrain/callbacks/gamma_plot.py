@@ -15,14 +15,15 @@ __all__ = ["GammaTracePlot", "save_gamma_trace"]
 def save_gamma_trace(trainer, pl_module=None) -> list[Path]:
     """Write ``gamma_trace.png`` for each growth callback of ``trainer`` next to its logs.
 
-    Has the signature of ``Callback.on_fit_end(trainer, pl_module)``; rank 0 only; a
+    Has the signature of ``Callback.on_fit_end(trainer, pl_module)``; call it on every rank
+    (``trainer.log_dir`` broadcasts under DDP/FSDP2), rank 0 writes; a
     callback that recorded no checks is skipped. The figure is
     :func:`growtrain.plots.plot_gamma_trace` of ``GrowUntilSaturated.history``.
     """
+    folder = Path(trainer.log_dir or trainer.default_root_dir)  # every rank: log_dir is a collective (broadcast)
     if not trainer.is_global_zero:
         return []
     callbacks = [cb for cb in growth_callbacks(trainer.callbacks) if getattr(cb, "history", None)]
-    folder = Path(trainer.log_dir or trainer.default_root_dir)
     paths = []
     for i, cb in enumerate(callbacks):
         path = folder / ("gamma_trace.png" if i == 0 else f"gamma_trace_{i}.png")

@@ -29,12 +29,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from growtrain import decision as dec
-from growtrain.callbacks import telemetry
+from growtrain import fsdp
+from growtrain.callbacks import sharded, telemetry
 from growtrain.callbacks.growth_config import GrowthConfig
 from growtrain.callbacks.restore import restore_snapshot, take_snapshot
 from growtrain.callbacks.probe_data import (
     Fingerprinted, ProbeView, check_split_indices, datasets_of, eval_output, first_input, loaders_of, per_sample_losses,
-    probe_overlap, random_order, shard_loader,
+    probe_overlap, random_order,
 )  # fmt: skip
 from growtrain.gain import gain_test, signature_mismatch
 from growtrain.batches import to_device
@@ -45,13 +46,7 @@ from growtrain.saturation import SaturationReport, measure_saturation
 
 __all__ = ["GrowUntilSaturated", "FunctionChangedError"]
 
-_UNSUPPORTED_STRATEGIES = {
-    "FSDPStrategy": "FSDP shards parameters, so a block cannot be inserted into one rank's module",
-    "DeepSpeedStrategy": "DeepSpeed owns the optimizer and partitions parameters",
-    "ModelParallelStrategy": "model-parallel layouts are fixed at setup",
-    "XLAStrategy": "not tested with growth",
-    "XLAFSDPStrategy": "FSDP shards parameters",
-}
+_UNSUPPORTED_STRATEGIES = sharded.REFUSED  # strategy class name -> (reason, supported alternative)
 
 
 class FunctionChangedError(RuntimeError):
@@ -301,6 +296,8 @@ class GrowUntilSaturated(Callback):
             return
         self._check_strategy(trainer)
         self._network = self._resolve_network(pl_module, required=not self._builds_late(pl_module))
+        if sharded.is_model_parallel(trainer.strategy):  # resume: grow to the checkpoint's depth before shards load
+            sharded.install_resume(trainer, lambda: self._network or self._resolve_network(pl_module, required=True))
         self._loss = self._resolve_loss(pl_module)
         if self.probe is None:
             dm = trainer.datamodule
@@ -366,12 +363,14 @@ class GrowUntilSaturated(Callback):
     def _check_strategy(self, trainer: Trainer) -> None:
         strategy = trainer.strategy
         names = {cls.__name__ for cls in type(strategy).__mro__}
-        for name, why in _UNSUPPORTED_STRATEGIES.items():
+        for name, (why, instead) in _UNSUPPORTED_STRATEGIES.items():
             if name in names:
                 raise RuntimeError(
                     f"strategy: GrowUntilSaturated does not support {type(strategy).__name__} ({why}). "
-                    "Supported: single device and strategy='ddp'."
+                    f"Supported: one device, strategy='ddp', and FSDP2. Fix: use {instead}."
                 )
+        if sharded.is_model_parallel(strategy):  # FSDP2: data parallel only, no rule="relative"
+            return sharded.check_model_parallel(trainer, self.rule)
         launcher = getattr(strategy, "launcher", None)
         if launcher is not None and type(launcher).__name__ == "_MultiProcessingLauncher":
             raise RuntimeError(
@@ -406,7 +405,7 @@ class GrowUntilSaturated(Callback):
             loader = source
         else:
             loader = source()
-        return shard_loader(loader, trainer.global_rank, trainer.world_size) if shard else loader
+        return sharded.shard_probe(loader, trainer) if shard else loader  # FSDP2: equal shards
 
     # -- hooks -----------------------------------------------------------------------------
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -745,7 +744,7 @@ class GrowUntilSaturated(Callback):
             return torch.bfloat16
         if precision.startswith("16-mixed"):
             return torch.float16 if trainer.strategy.root_device.type == "cuda" else torch.bfloat16
-        return None
+        return sharded.compute_dtype(trainer.lightning_module)  # FSDP2 MixedPrecisionPolicy(param_dtype=...), or None
 
     @staticmethod
     def _depth(network: nn.Module) -> int | None:
@@ -764,6 +763,7 @@ class GrowUntilSaturated(Callback):
         try:
             for name in _insertion_order(sites):
                 inserted.append(network.grow(name, block=report.record(name).block))
+            fsdp.shard_like_neighbours(network, inserted, root=pl_module)  # FSDP2: sharded like the neighbours
             after = eval_output(view, x)
             change = float((after.float() - before.float()).abs().max()) if before.numel() else 0.0
             tolerance = dec.insertion_tolerance(before.dtype, float(before.float().abs().max()) if before.numel() else 1.0)
@@ -776,12 +776,16 @@ class GrowUntilSaturated(Callback):
                 )
         except BaseException:
             network.undo_growth(inserted, log_len)  # the contract's rollback (resolve_network checked it)
+            fsdp.reinit_root(pl_module)  # FSDP2: the root forgets the removed units (no-op otherwise)
             raise
+        fsdp.reshard_all(pl_module)  # FSDP2: the optimizer takes the sharded DTensor parameters
         ks = list(range(log_len, log_len + len(inserted)))
         blocks_in_k_order = [b for b in grown_blocks(network) if any(b is i for i in inserted)] or inserted
         optimizer = self._optimizer_for(trainer, network)
         if optimizer is not None:
             reconfigure_optimizer(pl_module, optimizer, trainer.strategy.lr_scheduler_configs, blocks_in_k_order, ks)
+            if fsdp.is_sharded(pl_module):  # explicit zero state: a sharded checkpoint needs an entry per parameter
+                sharded.zero_state(optimizer, [p for b in inserted for p in b.parameters()])
             if self.lr_schedule == "restart" and trainer.strategy.lr_scheduler_configs:
                 self.restart_pending = True
         self._rewrap_ddp(trainer)

@@ -39,6 +39,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from growtrain.fsdp import unsharded_class
 from growtrain.families.base import DenseFeatures
 from growtrain.growable import GrowableMixin, Site
 
@@ -278,7 +279,7 @@ class HFGrowable(GrowableMixin, nn.Module):
         # the neighbour's index so the new layer gets the neighbour's type, then renumber.
         if types is not None and len(types) != len(layers):
             self.sync()
-        layer = type(layers[neighbour])(config, neighbour)
+        layer = unsharded_class(layers[neighbour])(config, neighbour)
         for module in layer.modules():
             self.model._init_weights(module)
         layer._growtrain_layer_type = layer_type
@@ -306,9 +307,10 @@ class HFGrowable(GrowableMixin, nn.Module):
         if block is None:
             block = self.new_block(site)
         layer = block.layer if isinstance(block, HFCandidate) else block
-        if type(layer) is not type(layers[0]):
+        layer_class = unsharded_class(layers[0])  # FSDP2 swaps a sharded layer's class for FSDP<Class>
+        if unsharded_class(layer) is not layer_class:
             raise TypeError(
-                f"block: expected a growtrain.hf candidate or a {type(layers[0]).__name__} (the model's own layer "
+                f"block: expected a growtrain.hf candidate or a {layer_class.__name__} (the model's own layer "
                 f"class), got {type(block).__name__}"
             )
         if any(layer is m for m in self.modules()):

@@ -26,6 +26,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 
+from growtrain.fsdp import ShardedBlocksMixin
 from growtrain.hf.adapter import growable
 from growtrain.lm import TokenStepsMixin, gpt2_adamw, token_cross_entropy
 from growtrain.module import ConfiguredOptimizerMixin, GrowableModuleMixin, SharedStepsMixin
@@ -55,7 +56,7 @@ def load_local(path: str, dtype: Optional[str] = None, attn_implementation: Opti
     return AutoModelForCausalLM.from_pretrained(str(root), **kwargs)
 
 
-class HFCausalLM(TokenStepsMixin, GrowableModuleMixin, ConfiguredOptimizerMixin, SharedStepsMixin, LightningModule):
+class HFCausalLM(TokenStepsMixin, GrowableModuleMixin, ShardedBlocksMixin, ConfiguredOptimizerMixin, SharedStepsMixin, LightningModule):
     """Causal LM around a growable Hugging Face decoder.
 
     Args:
@@ -119,5 +120,16 @@ class HFCausalLM(TokenStepsMixin, GrowableModuleMixin, ConfiguredOptimizerMixin,
             )
 
     def save_pretrained(self, path: str, **kwargs) -> None:
-        """Write the (grown) model as a plain Hugging Face checkpoint directory."""
+        """Write the (grown) model as a plain Hugging Face checkpoint directory.
+
+        Under FSDP2 (``ModelParallelStrategy``) call it on every rank: the whole state dict is
+        gathered (a collective) and rank 0 writes it; the other ranks write nothing."""
+        from growtrain.fsdp import full_state_dict, is_sharded
+
+        if is_sharded(self.network):
+            state = full_state_dict(self.network)  # rank 0 gets it (on CPU), the others {}
+            if not state:
+                return
+            prefix = "model."  # HFGrowable keeps the transformers model as .model
+            kwargs.setdefault("state_dict", {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
         self.network.save_pretrained(path, **kwargs)
