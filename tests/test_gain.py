@@ -332,7 +332,7 @@ def test_the_probe_pass_yields_the_networks_own_per_sample_losses(rule):
 
 
 def test_one_process_spends_no_extra_forward_pass_on_the_gain(tmp_path, monkeypatch):
-    import growtrain.callbacks.growth as growth_module
+    import growtrain.callbacks.gain_check as growth_module
 
     def no_extra_pass(*args, **kwargs):
         raise AssertionError("per_sample_losses ran: the probe pass's losses were not used")

@@ -32,12 +32,14 @@ from growtrain import decision as dec
 from growtrain import fsdp
 from growtrain.callbacks import sharded, telemetry
 from growtrain.callbacks.growth_config import GrowthConfig
-from growtrain.callbacks.restore import restore_snapshot, take_snapshot
+from growtrain.callbacks.anneal import StageAnnealMixin
+from growtrain.callbacks.gain_check import RealizedGainMixin
+from growtrain.callbacks.growth_state import GrowthStateMixin
+from growtrain.callbacks.restore import take_snapshot
 from growtrain.callbacks.probe_data import (
-    Fingerprinted, ProbeView, check_split_indices, datasets_of, eval_output, first_input, loaders_of, per_sample_losses,
-    probe_overlap, random_order,
+    Converted as _Converted, Fingerprinted, ProbeView, check_split_indices, datasets_of, eval_output, first_input, loaders_of,
+    probe_overlap,
 )  # fmt: skip
-from growtrain.gain import gain_test, signature_mismatch
 from growtrain.batches import to_device
 from growtrain.crossfit import probe_size
 from growtrain.growable import grown_blocks, probe_loss_for, resolve_network
@@ -64,19 +66,7 @@ def _insertion_order(names: Sequence[str]) -> list[str]:
     return sorted(names, key=key)
 
 
-class _Converted:
-    """The probe loader's batches as the trainer's precision plugin feeds training batches
-    (``64-true`` and ``bf16-true`` networks need float64 / bfloat16 inputs; mixed precision
-    leaves them alone), so the probe sees what a training step sees."""
-
-    def __init__(self, loader: Iterable, trainer: Trainer):
-        self.loader, self.convert = loader, trainer.precision_plugin.convert_input
-
-    def __iter__(self):
-        return (self.convert(batch) for batch in self.loader)
-
-
-class GrowUntilSaturated(Callback):
+class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, Callback):
     """Insert function-preserving blocks while the certified test says depth still pays.
 
     Quick start (growtrain's module and datamodule need no arguments)::
@@ -230,65 +220,9 @@ class GrowUntilSaturated(Callback):
         self.probe_seconds = 0.0  # wall time inside measure_saturation, this process (not saved)
         self._pass_losses: list | None = None  # per-sample probe losses from the last pass (min_gain)
         self._pass_probe: Fingerprinted | None = None  # the last pass's probe, with its sample fingerprints
+        self._can_restore = True  # restore_best under this strategy (not FSDP2 yet)
         self._last_signatures: torch.Tensor | None = None  # fingerprints of the last check's probe samples
         self._fit_start = 0.0
-
-    def _reset_state(self) -> None:
-        self.history: list[dict] = []
-        self.checks = 0  # probe checks run (seeds candidate blocks)
-        self.growths = 0  # checks that grew
-        self.inserted = 0  # blocks inserted by this callback
-        self.alpha_index = 0  # α-spending tests used
-        self.best: float | None = None
-        self.wait = 0
-        self.cooldown_left = 0
-        self.epochs_since_check = 0
-        self.stage_epochs = 0  # epochs since the start or the last growth
-        self.trained_since_check = 0  # training samples (all ranks) since the last check
-        self.finished: str | None = None
-        self.stop_reason: str | None = None
-        self.restart_pending = False
-        self.start_depth: int | None = None
-        self.anneal_done: int | None = None  # epochs of the running anneal done (None: not annealing)
-        self.anneal_kind: str | None = None  # "stage" (before a check) or "final" (after growth ended)
-        self.anneal_base_lrs: list[float] = []
-        self.gain_reference: list[float] | None = None  # per-sample probe losses at the last growth
-        self.gain_signature: list[float] | None = None  # ... and the fingerprints of those probe samples
-        self.snapshot: dict | None = None  # host copy of the network before the last growth (restore_best)
-
-    # -- checkpoint state ------------------------------------------------------------------
-    _STATE_INTS = ("checks", "growths", "inserted", "alpha_index", "wait", "cooldown_left", "epochs_since_check",
-                   "stage_epochs", "trained_since_check")  # fmt: skip
-
-    def state_dict(self) -> dict[str, Any]:
-        state = {k: getattr(self, k) for k in self._STATE_INTS}
-        state.update(history=self.history, best=self.best, finished=self.finished, stop_reason=self.stop_reason,
-                     restart_pending=self.restart_pending, start_depth=self.start_depth,
-                     anneal_done=self.anneal_done, anneal_kind=self.anneal_kind,
-                     anneal_base_lrs=self.anneal_base_lrs, gain_reference=self.gain_reference,
-                     gain_signature=self.gain_signature)  # fmt: skip
-        state = telemetry.plain(state)
-        state["snapshot"] = self.snapshot  # tensors: torch.save keeps them as they are
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._reset_state()
-        self.history = [dict(h) for h in state_dict.get("history", [])]
-        for key in self._STATE_INTS:
-            setattr(self, key, int(state_dict.get(key, 0)))
-        self.best = state_dict.get("best")
-        self.finished = state_dict.get("finished")
-        self.stop_reason = state_dict.get("stop_reason")
-        self.restart_pending = bool(state_dict.get("restart_pending", False))
-        self.start_depth = state_dict.get("start_depth")
-        self.anneal_done = state_dict.get("anneal_done")
-        self.anneal_kind = state_dict.get("anneal_kind", "final" if self.anneal_done is not None else None)
-        self.anneal_base_lrs = [float(v) for v in state_dict.get("anneal_base_lrs", [])]
-        reference = state_dict.get("gain_reference")
-        self.gain_reference = None if reference is None else [float(v) for v in reference]
-        signature = state_dict.get("gain_signature")
-        self.gain_signature = None if signature is None else [float(v) for v in signature]
-        self.snapshot = state_dict.get("snapshot")
 
     # -- setup: refuse early ------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -298,6 +232,11 @@ class GrowUntilSaturated(Callback):
         self._network = self._resolve_network(pl_module, required=not self._builds_late(pl_module))
         if sharded.is_model_parallel(trainer.strategy):  # resume: grow to the checkpoint's depth before shards load
             sharded.install_resume(trainer, lambda: self._network or self._resolve_network(pl_module, required=True))
+            if self.restore_best and self.min_gain is not None:  # undoing a sharded growth is not built yet
+                self._can_restore = False
+                rank_zero_warn("GrowUntilSaturated: restore_best is not supported under FSDP2 (ModelParallelStrategy) "
+                               "yet: an unpaid last block will be kept, not undone. Pass restore_best=False to "
+                               "acknowledge this.")  # fmt: skip
         self._loss = self._resolve_loss(pl_module)
         if self.probe is None:
             dm = trainer.datamodule
@@ -313,18 +252,6 @@ class GrowUntilSaturated(Callback):
             self._refuse_random_probe(dm.probe_dataloader(), "datamodule.probe_dataloader()")
         elif isinstance(self.probe, DataLoader):
             self._refuse_random_probe(self.probe, "probe")
-
-    def _refuse_random_probe(self, loader: Any, name: str) -> None:
-        """min_gain pairs each probe sample's loss across checks: a shuffling probe is refused here
-        (a probe that changes otherwise is refused at the check, by its samples' fingerprints)."""
-        why = random_order(loader) if self.min_gain is not None else None
-        if why is not None:
-            raise ValueError(
-                f"{name}: min_gain compares every probe sample's loss at the last growth with its loss now, so the "
-                f"probe must yield the same samples in the same order at every check, but {why}. Fix: build the "
-                "probe loader with shuffle=False (the order does not matter to the saturation score), or pass "
-                "min_gain=None."
-            )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._fit_start = time.perf_counter()
@@ -457,27 +384,6 @@ class GrowUntilSaturated(Callback):
             params=telemetry.count_params(network), max_params=self.max_params,
         )  # fmt: skip
 
-    def _check_annealed(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """End of a stage anneal: check the annealed network; back to the constant rate for a new
-        stage (after a growth) or for ``on_saturated="continue"``."""
-        # The rate goes back up before the check: the new block's groups copy their reference
-        # group's current rate, so they start the new stage at the constant rate too. (After a
-        # saturated check the run stops, or continues at that rate with on_saturated="continue".)
-        optimizer = self._optimizer_for(trainer, self._network)
-        if optimizer is not None:
-            for group, base in zip(optimizer.param_groups, self.anneal_base_lrs):
-                group["lr"] = base
-        self.anneal_done, self.anneal_kind, self.anneal_base_lrs = None, None, []
-        self._check(trainer, pl_module, annealed=True)
-
-    def _start_anneal(self, trainer: Trainer, kind: str) -> bool:
-        optimizer = self._optimizer_for(trainer, self._network)
-        if optimizer is None:
-            return False
-        self.anneal_done, self.anneal_kind = 0, kind
-        self.anneal_base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
-        return True
-
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not (self.verbose and trainer.is_global_zero) or self._network is None:
             return
@@ -592,12 +498,12 @@ class GrowUntilSaturated(Callback):
             # a budget ends growth: the last growth is still judged, so an unpaid block is undone
             _, gain = self._last_growth_paid(trainer, pl_module, network, self._level())
             record["gain"] = gain
-        if action != "grow" and (record.get("gain") or {}).get("saturated") and self.restore_best and self.snapshot:
+        if action != "grow" and (record.get("gain") or {}).get("saturated") and self.snapshot:
             record["restored"] = self._restore(trainer, pl_module, network)
             reason = f"{reason}; {record['restored']['what']}"
             annealed = annealed or bool(record["restored"]["annealed"])  # it was checked annealed: no second anneal
         if action == "grow":
-            if self.min_gain is not None and self.restore_best:
+            if self.min_gain is not None and self.restore_best and self._can_restore:
                 self.snapshot = take_snapshot(
                     pl_module, network, self._optimizer_for(trainer, network), check=record["check"],
                     epoch=trainer.current_epoch, step=trainer.global_step, depth=depth, annealed=annealed,
@@ -613,75 +519,6 @@ class GrowUntilSaturated(Callback):
         self._emit(trainer, report, record)
         return action
 
-    def _last_growth_paid(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module,
-                          level: float) -> tuple[torch.Tensor, dict | None]:  # fmt: skip
-        """The probe's per-sample losses now and, after a growth, the verdict on that growth.
-
-        On one process they come from the probe pass's own forward (the ghosts output zero).
-        Under DDP every rank scores the whole probe (not its shard) in one extra forward pass and
-        takes rank 0's vector, so the stored losses and the decision are the same on every rank
-        and after a resume."""
-        if self._pass_losses and self._pass_probe is not None:  # one process: the pass's own forward
-            losses = torch.cat(self._pass_losses).cpu()  # one device-to-host copy per check
-            signatures = self._pass_probe.signatures
-        else:
-            start = time.perf_counter()
-            device = next(network.parameters()).device
-            probe = Fingerprinted(self._probe_loader(trainer, shard=False))
-            losses = per_sample_losses(ProbeView(pl_module, network), _Converted(probe, trainer), self._loss, device)
-            signatures = probe.signatures
-            if trainer.world_size > 1:  # one decision on every rank, even if a GPU kernel is not bit-reproducible
-                losses = trainer.strategy.broadcast(losses, src=0)
-                signatures = trainer.strategy.broadcast(signatures, src=0)
-            self.probe_seconds += time.perf_counter() - start
-        self._pass_losses, self._pass_probe = None, None
-        if signatures is None or signatures.numel() != losses.numel():
-            raise RuntimeError(f"probe: {losses.numel()} per-sample losses but fingerprints of "
-                               f"{None if signatures is None else signatures.numel()} samples; the probe pass was cut short")
-        self._last_signatures = signatures
-        if self.gain_reference is None:
-            return losses, None
-        before = torch.tensor(self.gain_reference, dtype=torch.float64)
-        stored = torch.tensor(self.gain_signature, dtype=torch.float64) if self.gain_signature is not None else None
-        mismatch = signature_mismatch(stored, signatures) if stored is not None else None
-        if mismatch is None and before.shape != losses.shape:
-            mismatch = f"the probe had {before.numel()} samples at the last growth and has {losses.numel()} now"
-        if mismatch is not None:
-            raise ValueError(
-                f"probe: min_gain pairs every probe sample's loss at the last growth with its loss now, but {mismatch}; "
-                "no decision was made. Fix: keep the probe fixed — the same samples in the same order at every check "
-                "(a DataLoader with shuffle=False over a fixed dataset, as probe_dataloader() builds) — or pass "
-                "min_gain=None."
-            )
-        # the bootstrap's seed follows the check index: the same losses give the same bound on
-        # every rank and after a resume
-        gain = gain_test(before, losses, min_gain=self.min_gain, level=level, seed=self.seed * 1000 + self.checks)
-        return losses, {**dec.gain_verdict(gain).to_dict(), **gain}
-
-    def _restore(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module) -> dict:
-        """Undo the growth that did not pay: the network of the check before it, restored."""
-        snap = self.snapshot
-        done = restore_snapshot(snap, pl_module, network, self._optimizer_for(trainer, network),
-                                trainer.strategy.lr_scheduler_configs)  # fmt: skip
-        self._rewrap_ddp(trainer)
-        self.snapshot = None
-        what = (f"restored the network of check {snap['check']} (epoch {snap['epoch']}, depth {snap['depth']}): "
-                f"removed the unpaid block(s) at {', '.join(map(str, done['removed_sites']))} with their weights, "
-                "BatchNorm statistics and optimizer groups (restore_best=True)")  # fmt: skip
-        rank_zero_info(f"GrowUntilSaturated: {what}")
-        return {**done, "check": snap["check"], "epoch": snap["epoch"], "step": snap["step"], "depth": snap["depth"],
-                "annealed": snap.get("annealed", False), "what": what}  # fmt: skip
-
-    def _level(self) -> float:
-        """The level of the next test (``alpha_spending``); counts the test."""
-        level = self.alpha
-        if self.alpha_spending != "constant":
-            from growtrain.crossfit import alpha_schedule
-
-            level = float(alpha_schedule(self.alpha, self.alpha_index, scheme=self.alpha_spending))
-        self.alpha_index += 1
-        return level
-
     def _finish(self, trainer: Trainer, why: str, reason: str, annealed: bool = False) -> None:
         """Growth has ended: stop, continue at this depth, or start the final anneal (unless the
         stage anneal before this check already annealed the final network)."""
@@ -696,18 +533,6 @@ class GrowUntilSaturated(Callback):
         elif why == "saturated" and self.on_saturated == "stop":
             trainer.should_stop = True
             rank_zero_info(f"GrowUntilSaturated: stopping training at epoch {trainer.current_epoch}: {reason}")
-
-    def _set_anneal_lr(self, trainer: Trainer) -> None:
-        """An anneal (stage or final): ``lr = base · ½(1 + cos(π·(k+1)/(T+1)))`` in epoch ``k`` of
-        ``T``; the network's schedulers are set aside, so the user's schedule does not fight it."""
-        optimizer = self._optimizer_for(trainer, self._network)
-        if optimizer is None:
-            return
-        configs = trainer.strategy.lr_scheduler_configs
-        trainer.strategy.lr_scheduler_configs = [c for c in configs if c.scheduler.optimizer is not optimizer]
-        factor = 0.5 * (1.0 + math.cos(math.pi * (self.anneal_done + 1) / (self.anneal_epochs + 1)))
-        for group, base in zip(optimizer.param_groups, self.anneal_base_lrs):
-            group["lr"] = base * factor
 
     def _measure(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module) -> tuple[SaturationReport, float]:
         level = self._level()

@@ -235,7 +235,19 @@ def random_order(loader: Any) -> str | None:
     samplers = [getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
     for sampler in samplers:
         if isinstance(sampler, RandomSampler):
-            return f"its sampler is a RandomSampler (shuffle=True)"
+            return "its sampler is a RandomSampler (shuffle=True)"
         if isinstance(sampler, DistributedSampler) and sampler.shuffle:
             return "its DistributedSampler has shuffle=True"
     return None
+
+
+class Converted:
+    """The probe loader's batches as the trainer's precision plugin feeds training batches
+    (``64-true`` and ``bf16-true`` networks need float64 / bfloat16 inputs; mixed precision
+    leaves them alone), so the probe sees what a training step sees."""
+
+    def __init__(self, loader: Iterable, trainer: Any):
+        self.loader, self.convert = loader, trainer.precision_plugin.convert_input
+
+    def __iter__(self):
+        return (self.convert(batch) for batch in self.loader)
