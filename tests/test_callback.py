@@ -115,7 +115,7 @@ def test_table_printed_once_per_decision(tmp_path, monkeypatch):
     printed = []
     monkeypatch.setattr(telemetry, "rank_zero_info", printed.append)  # no RichProgressBar: logged
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e-9, max_growths=1, min_gain=None, verbose=True)
+    grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e-9, max_growths=1, verbose=True)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
     trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm(synthetic_size=200, probe_size=40))
     tables = [m for m in printed if "growth check" in m]

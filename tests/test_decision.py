@@ -1,4 +1,4 @@
-"""The relative rule (``rule="relative"``, the callback's default) against independent oracles.
+"""The relative rule (``rule="relative"``; the default is ``"crossfit"``) against independent oracles.
 
 * the reference ``R`` equals a plain-autograd recomputation over the same pieces of half A;
 * ``debiased_reference`` is unbiased for ``‖g‖²`` where the naive squared norm is not;

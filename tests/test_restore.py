@@ -98,14 +98,13 @@ def test_restore_best_false_keeps_the_last_network(tmp_path):
     assert grow.snapshot is None  # no snapshot taken: no host copy when it cannot be used
 
 
-def test_a_budget_still_judges_and_undoes_the_last_growth(tmp_path):
-    """max_growths=1: check 1 is refused by the budget, but the growth it follows is still judged
-    (one extra forward pass) and, unpaid, undone."""
-    states = States()
-    grow, model, _ = fit(tmp_path, extra=[states], max_growths=1)
-    first, second = grow.history[:2]
-    assert second["action"] == "budget" and second["gain"]["saturated"] is True and second["restored"]
-    assert_same_state(model.state_dict(), states.module[first["epoch"]])
+def test_a_budget_ends_growth_without_judging_or_undoing(tmp_path):
+    """max_growths=1: check 1 is refused by the budget before any probing; the last growth is
+    not judged (a budget the user set is not a verdict), so its block stays."""
+    grow, model, _ = fit(tmp_path, max_growths=1)
+    second = grow.history[1]
+    assert second["action"] == "budget" and "gain" not in second and "restored" not in second
+    assert model.network.depth() == 4
 
 
 def test_a_paid_growth_is_kept(tmp_path):

@@ -135,8 +135,8 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             checks are a fixed-sequence procedure), ``"geometric"`` or ``"inverse_square"``
             (all checks together err with probability ≤ α; ``growtrain.crossfit.alpha_schedule``).
             The gain's level follows ``alpha_spending`` like every other test.
-        restore_best: when growth ends because the last growth did not pay (its gain is judged
-            also when a budget ends growth), hand over the network of the check before it:
+        restore_best: when growth ends because the last growth did not pay (not when a budget
+            ends it: that growth is not judged), hand over the network of the check before it:
             weights, BatchNorm statistics, optimizer state and architecture restored from a
             host-memory snapshot taken at that growth (the summary and the history's
             ``restored`` say what was undone). ``False`` keeps the last network as it is.
@@ -494,10 +494,6 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
                 if action == "grow":  # the function is preserved: these are the new stage's starting losses
                     self.gain_reference = losses.tolist()
                     self.gain_signature = self._last_signatures.tolist()
-        if blocked is not None and self.min_gain is not None and self.gain_reference is not None:
-            # a budget ends growth: the last growth is still judged, so an unpaid block is undone
-            _, gain = self._last_growth_paid(trainer, pl_module, network, self._level())
-            record["gain"] = gain
         if action != "grow" and (record.get("gain") or {}).get("saturated") and self.snapshot:
             record["restored"] = self._restore(trainer, pl_module, network)
             reason = f"{reason}; {record['restored']['what']}"
