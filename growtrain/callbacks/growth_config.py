@@ -100,6 +100,11 @@ class GrowthConfig:
         _int("every_n_epochs", self.every_n_epochs, 1)
         if self.monitor is not None and not (isinstance(self.monitor, str) and self.monitor):
             raise _bad("monitor", "None or the name of a logged metric", self.monitor, "pass monitor='train_loss'")
+        if self.monitor is not None and self.every_n_epochs != 1:
+            warnings.warn(f"GrowUntilSaturated: every_n_epochs={self.every_n_epochs} has no effect while monitor="
+                          f"{self.monitor!r} is set: a check runs when the monitor plateaus, whatever the epoch. Fix: "
+                          "pass monitor=None to check every every_n_epochs, or drop every_n_epochs.", UserWarning,
+                          stacklevel=4)  # fmt: skip
         _choice("mode", self.mode, MODES)
         _int("patience", self.patience, 1)
         _number("min_delta", self.min_delta, fix="pass min_delta=0.0")
