@@ -165,3 +165,56 @@ def test_summary_says_where_the_outputs_are(tmp_path, monkeypatch):
     assert f"outputs: {log_dir}/ (metrics.csv, growth_history.json, gamma_trace.png)" in summary
     assert f"checkpoints: {tmp_path / 'ckpts'}/" in summary and "last.ckpt" in summary
     assert (tmp_path / "logs" / "version_0" / "growth_history.json").exists()
+
+
+# -- gamma_trace.png shows what decided ------------------------------------------------------------------
+def _history():
+    gain = lambda score, need, sat: {"rule": "gain", "score": score, "margin": need, "saturated": sat}  # noqa: E731
+    return [
+        {"epoch": 3, "step": 40, "gamma": 0.2, "threshold": 0.6, "lower": 0.05, "margin": 0.0, "rule": "crossfit",
+         "action": "grow", "site": "layer1.1", "sites": ["layer1.1"]},
+        {"epoch": 9, "step": 120, "gamma": 0.15, "threshold": 0.7, "lower": 0.0, "margin": 0.0, "rule": "crossfit",
+         "action": "grow", "site": "layer2.1", "sites": ["layer2.1"], "gain": gain(0.08, 0.006, False)},
+        {"epoch": 15, "step": 200, "gamma": 0.1, "threshold": 0.8, "lower": 0.01, "margin": 0.0, "rule": "crossfit",
+         "action": "saturated", "site": None, "sites": [], "gain": gain(-0.01, 0.005, True)},
+    ]
+
+
+def _points(ax):
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+
+
+def test_gamma_trace_draws_the_deciding_quantities(tmp_path):
+    from growtrain.plots import plot_gamma_trace
+
+    fig = plot_gamma_trace(_history(), tmp_path / "trace.png")
+    first, gain, paper = fig.axes
+    lines = _points(first)
+    # the first check was decided by its lower bound (filled); later ones only report it (hollow)
+    assert lines["best certified lower bound (decided)"] == ([3], [0.05])
+    assert lines["best certified lower bound (reported)"] == ([9, 15], [0.0, 0.01])
+    assert lines["threshold (δ or τ·R): grow above"] == ([3, 9, 15], [0.0, 0.0, 0.0])
+    lines = _points(gain)
+    assert lines["certified gain of the last block"] == ([9, 15], [0.08, -0.01])
+    assert lines["need: min_gain × probe loss (grow above)"] == ([9, 15], [0.006, 0.005])
+    assert _points(paper)[r"$\hat\Gamma$ (paper)"] == ([3, 9, 15], [0.2, 0.15, 0.1])
+    assert all(float(t).is_integer() for t in paper.get_xticks())
+    assert paper.get_xlabel().startswith("epoch")
+    assert (tmp_path / "trace.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gamma_trace_of_one_check_has_whole_epoch_ticks():
+    from growtrain.plots import plot_gamma_trace
+
+    fig = plot_gamma_trace(_history()[:1])
+    assert len(fig.axes) == 2  # no gain panel without a judged growth
+    assert fig.axes[-1].get_xlim() == (2.0, 4.0)
+    assert all(float(t).is_integer() for t in fig.axes[-1].get_xticks())
+
+
+def test_gamma_trace_with_the_paper_rule_draws_gamma_against_delta_plus_t():
+    from growtrain.plots import plot_gamma_trace
+
+    history = [dict(h, rule="paper") for h in _history()[:1]]
+    lines = _points(plot_gamma_trace(history).axes[0])
+    assert lines[r"$\hat\Gamma$ (decided)"] == ([3], [0.2]) and lines[r"$\delta+t$: grow above"] == ([3], [0.6])
