@@ -59,6 +59,34 @@ class GrowtrainCLI(LightningCLI):
         # compare | measure | sweep | match: GrowTrainer methods, model and data from the config as for fit
         return {**LightningCLI.subcommands(), **{name: {"model", "datamodule"} for name in EXPERIMENTS}}
 
+    def _parse_ckpt_path(self) -> None:
+        """LightningCLI builds the model from the checkpoint's hyper-parameters when ``ckpt_path`` is
+        given (they made the saved weights), overriding the config's model section. growtrain checks
+        the file first (a truncated file is an error naming it) and reports every model argument the
+        checkpoint overrode, instead of ignoring the config silently."""
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not ckpt_path:
+            return super()._parse_ckpt_path()
+        from growtrain.ckpt_file import check_checkpoint_file
+
+        check_checkpoint_file(ckpt_path)
+        before = _model_args(self.config[subcommand])
+        super()._parse_ckpt_path()
+        after = _model_args(self.config[subcommand])
+        changed = {k: (before.get(k), after.get(k)) for k in sorted(set(before) | set(after))
+                   if k not in _LINKED and before.get(k) != after.get(k)}  # fmt: skip
+        if changed:
+            import warnings
+
+            listed = "; ".join(f"{k}: config {a!r}, checkpoint {b!r}" for k, (a, b) in changed.items())
+            warnings.warn(
+                f"ckpt_path: {ckpt_path} was saved with model arguments that differ from the config's model section "
+                f"({listed}); the model is built with the checkpoint's (its weights need them). Fix: make the "
+                "config's model section match the checkpoint, or pass the checkpoint that was meant.",
+                UserWarning, stacklevel=2,
+            )  # fmt: skip
+
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         # A mistyped key must be an error, not silently expanded to a longer key that happens
         # to start with it (argparse abbreviations; jsonargparse 5 turns them off too).
@@ -79,6 +107,19 @@ class GrowtrainCLI(LightningCLI):
                 compute_fn=_attribute(name),
                 apply_on="instantiate",
             )
+
+
+def _model_args(config: Any) -> dict[str, Any]:
+    """The model's arguments in a subcommand's config, as plain data (class path included)."""
+    model = config.get("model")
+    if model is None:
+        return {}
+    model = model.as_dict() if hasattr(model, "as_dict") else dict(model)
+    args = dict(model.get("init_args") or {})
+    args.update(model.get("dict_kwargs") or {})
+    if model.get("class_path"):
+        args["class_path"] = model["class_path"]
+    return args
 
 
 def _attribute(name: str):
