@@ -22,6 +22,8 @@ Design choices:
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -32,6 +34,52 @@ from growtrain.module import ImageClassifier
 from growtrain.trainer import EXPERIMENTS, GrowTrainer
 
 __all__ = ["GrowtrainCLI", "main"]
+
+DESCRIPTION = (
+    "growtrain: train a residual network (or a small transformer) with PyTorch Lightning and make it deeper, one "
+    "function-preserving block at a time, while a statistical test on a held-out probe sample says more depth still "
+    "lowers the loss; then stop (the paper's 'grow until saturated'). Subcommands: fit | validate | test | predict "
+    "(Lightning's), and the experiments compare | stopping | sweep | measure | match. Start with: growtrain fit "
+    "--config configs/quickstart.yaml"
+)
+FIT_DESCRIPTION = (
+    "Train a model; with growtrain.callbacks.GrowUntilSaturated among trainer.callbacks (as in configs/quickstart.yaml) "
+    "it grows. The growth callback's arguments: growtrain fit --trainer.callbacks.help "
+    "growtrain.callbacks.GrowUntilSaturated. Add it on the command line: --trainer.callbacks+="
+    "growtrain.callbacks.GrowUntilSaturated --trainer.callbacks.monitor=val_loss"
+)
+
+
+class GrowtrainParser(LightningArgumentParser):
+    """A parse error is one ``error:`` line first (the usage, hundreds of Trainer options long, is
+    left to ``--help``), and a YAML error names its config file instead of ``"<unicode string>"``."""
+
+    config_files: tuple[str, ...] = ()
+
+    def error(self, message: str, ex: Exception | None = None):  # type: ignore[override]
+        if len(self.config_files) == 1:
+            message = message.replace('"<unicode string>"', repr(self.config_files[0]))
+        elif self.config_files:
+            message = message.replace('"<unicode string>"', f"one of the config files {list(self.config_files)}")
+        from jsonargparse._common import debug_mode_active
+
+        if not self.exit_on_error or debug_mode_active():
+            return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        sys.stderr.write(f"error: {message}\ntip: {prog} --help lists every option\n")
+        self.exit(2)
+
+
+class ConfigError(Exception):
+    """Marks an error raised while the config's classes were built (shown as one line by ``main``)."""
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
 
 # Model arguments the datamodule decides (linked at instantiation; a model class without the
 # argument ignores the link, so e.g. a language model can use the same CLI).
@@ -52,7 +100,26 @@ class GrowtrainCLI(LightningCLI):
         kwargs.setdefault("auto_configure_optimizers", False)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("trainer_class", GrowTrainer)  # its methods are the experiment subcommands
+        kwargs.setdefault("parser_class", GrowtrainParser)  # parse errors first, YAML errors name their file
+        parser_kwargs = dict(kwargs.get("parser_kwargs") or {})
+        parser_kwargs.setdefault("description", DESCRIPTION)
+        parser_kwargs.setdefault("fit", {}).setdefault("description", FIT_DESCRIPTION)
+        kwargs["parser_kwargs"] = parser_kwargs
+        given = kwargs.get("args", args[0] if args else None)
+        self._config_files = tuple(_config_files(sys.argv[1:] if given is None else given))
         super().__init__(*args, **kwargs)
+
+    def instantiate_classes(self) -> None:
+        """Build the config's classes; a growtrain (or user) validation error raised in a class's
+        ``__init__`` comes out as itself, not inside jsonargparse's union-type dump."""
+        try:
+            super().instantiate_classes()
+        except Exception as error:
+            root = _root_cause(error)
+            if root is error or not isinstance(root, (ValueError, TypeError)):
+                raise
+            root._growtrain_config_error = True  # type: ignore[attr-defined]
+            raise root from None
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -70,7 +137,11 @@ class GrowtrainCLI(LightningCLI):
             return super()._parse_ckpt_path()
         from growtrain.ckpt_file import check_checkpoint_file
 
-        check_checkpoint_file(ckpt_path)
+        try:
+            check_checkpoint_file(ckpt_path)
+        except ValueError as error:
+            error._growtrain_config_error = True  # type: ignore[attr-defined]
+            raise
         before = _model_args(self.config[subcommand])
         super()._parse_ckpt_path()
         after = _model_args(self.config[subcommand])
@@ -91,7 +162,9 @@ class GrowtrainCLI(LightningCLI):
         # A mistyped key must be an error, not silently expanded to a longer key that happens
         # to start with it (argparse abbreviations; jsonargparse 5 turns them off too).
         kwargs.setdefault("allow_abbrev", False)
-        return super().init_parser(**kwargs)
+        parser = super().init_parser(**kwargs)
+        parser.config_files = getattr(self, "_config_files", ())
+        return parser
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.set_defaults(
@@ -135,9 +208,30 @@ def _attribute(name: str):
 def main(args: ArgsType = None, cli_class: type[LightningCLI] = GrowtrainCLI) -> None:
     """Console entry point (``growtrain``); ``args`` as in LightningCLI (default: ``sys.argv``).
 
-    Returns None: the console-script wrapper passes the return value to ``sys.exit``.
+    Returns None: the console-script wrapper passes the return value to ``sys.exit``. An error in
+    the config's values (raised while its classes are built, or a bad ``ckpt_path`` file) is one
+    ``error:`` line and exit status 2, like a parse error; everything else keeps its traceback.
     """
-    cli_class(args=args)
+    try:
+        cli_class(args=args)
+    except Exception as error:
+        if not getattr(error, "_growtrain_config_error", False):
+            raise
+        sys.stderr.write(f"error: {error}\n")
+        raise SystemExit(2) from None
+
+
+def _config_files(argv: Any) -> list[str]:
+    """The ``--config``/``-c`` files named in ``argv`` (a list of strings; anything else: none)."""
+    if not isinstance(argv, (list, tuple)):
+        return []
+    files, argv = [], [str(a) for a in argv]
+    for i, arg in enumerate(argv):
+        if arg in ("--config", "-c") and i + 1 < len(argv):
+            files.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            files.append(arg.split("=", 1)[1])
+    return [os.fspath(f) for f in files]
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m growtrain.cli`
