@@ -31,6 +31,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 
 from growtrain.data import ImageDataModule
 from growtrain.module import ImageClassifier
+from growtrain.quiet import quiet_upstream_noise
 from growtrain.trainer import EXPERIMENTS, GrowTrainer
 
 __all__ = ["GrowtrainCLI", "main"]
@@ -212,6 +213,7 @@ def main(args: ArgsType = None, cli_class: type[LightningCLI] = GrowtrainCLI) ->
     the config's values (raised while its classes are built, or a bad ``ckpt_path`` file) is one
     ``error:`` line and exit status 2, like a parse error; everything else keeps its traceback.
     """
+    quiet_upstream_noise()
     try:
         cli_class(args=args)
     except Exception as error:
