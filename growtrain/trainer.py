@@ -228,7 +228,7 @@ class GrowTrainer(BaseGrowTrainer):
             seed: seed of every training (the paper uses one seed per depth).
             growth_history: a ``growth_history.json`` of a growth run: marks where growth stopped.
             delta, alpha, rule: the saturation test reported at each depth. ``rule`` defaults to
-                ``paper``, unlike the decision entry points (``relative``): the sweep reproduces the
+                ``paper``, unlike the decision entry points (``crossfit``): the sweep reproduces the
                 paper's Figure 1, whose verdict is Proposition 1's Γ̂ ≤ δ+t.
             projected: also compute V_S at each depth (slower; off, as on every decision path).
             output_dir: sweep.json/.csv/.md and sweep.png; default ``<default_root_dir>/sweep``.
