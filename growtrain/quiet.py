@@ -23,6 +23,8 @@ NOISE = (
     "💡 Tip: For seamless cloud",
     "`tensorboardX` has been removed as a dependency",
     "isinstance(treespec, LeafSpec)` is deprecated",
+    # growtrain's trainers install their own summary (without the FLOPs it never counted)
+    "Skipping setting a default `ModelSummary` callback",
 )
 
 

@@ -61,7 +61,8 @@ def test_a_fit_without_a_check_warns_and_its_summary_says_why(tmp_path, monkeypa
         _trainer(tmp_path, [grow]).fit(ImageClassifier(width=4, in_channels=3, num_classes=4), _dm())
     message = next(str(w.message) for w in caught if "no growth check ran" in str(w.message))
     assert "monitor='train_loss' never plateaued: best " in message
-    assert "patience=5 needed" in message and "min_stage_epochs=2" in message
+    assert "a plateau needs patience=5 epochs in a row without an improvement larger than" in message
+    assert "(min_stage_epochs=2)" in message
     assert "no growth_history.json or gamma_trace.png was written" in message
     assert "Fix: train longer (trainer.max_epochs)" in message and "monitor=None with every_n_epochs" in message
     assert grow.history == [] and not (tmp_path / "growth_history.json").exists()

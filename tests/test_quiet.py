@@ -25,6 +25,7 @@ def test_growtrains_trainer_has_no_tips_no_zero_flops_and_no_v_num(tmp_path, cap
     assert "| Name" in text and "Total params" in text  # the summary is still there ...
     assert "FLOPs" not in text and "Total Flops" not in text  # ... without the FLOPs it never counted
     assert "💡 Tip" not in text and not [w for w in caught if "tensorboardX" in str(w.message)]
+    assert "Skipping setting a default" not in text
     metrics = trainer.progress_bar_callback.get_metrics(trainer, module)
     assert "v_num" not in metrics and "train_loss" in metrics
 

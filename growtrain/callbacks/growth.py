@@ -107,10 +107,14 @@ class GrowUntilSaturated(Callback):
         loss_fn: ``loss_fn(output, target)`` → mean batch loss for the probe; ``None`` uses
             ``pl_module.probe_loss`` if defined, else cross-entropy.
         every_n_epochs: with ``monitor=None``, check at the end of every n-th training epoch
-            (counted from the last check).
+            (counted from the last check). With a monitor it has no effect (a value other than 1
+            is warned about).
         monitor: a metric logged per epoch (default ``"train_loss"``): check only when it has
             plateaued, i.e. the current stage has converged (the paper grows a converged
-            network). ``None`` checks every ``every_n_epochs``.
+            network). ``None`` checks every ``every_n_epochs``. A module that logs no
+            ``train_loss`` is monitored through the epoch mean of the loss ``training_step``
+            returns; any other metric that is never logged is an error naming it. A fit that
+            ends with no check says so (warning and summary) with the reason.
         mode: ``"min"`` or ``"max"``: the direction in which ``monitor`` improves.
         patience: epochs without an improvement that make a plateau.
         min_delta: smallest absolute change of ``monitor`` that counts as an improvement.

@@ -64,12 +64,16 @@ def no_check_message(*, monitor: str | None, best: float | None, wait: int, pati
     if epochs == 0:
         why = "no training epoch ended (a check runs at the end of a training epoch)"
     elif monitor is not None:
-        need = f"{patience} epoch(s) without an improvement of max(min_delta={min_delta:g}, min_rel_delta={min_rel_delta:g}×best)"
-        best_text = "never recorded" if best is None else f"{best:.4g} ({mode})"
+        if best is None:
+            plateau = f"its best value was never recorded (patience={patience})"
+        else:
+            step = max(min_delta, min_rel_delta * abs(best))
+            plateau = (f"best {best:.4g} ({mode}); a plateau needs patience={patience} epochs in a row without an "
+                       f"improvement larger than max(min_delta, min_rel_delta×|best|) = {step:.3g}, and the last "
+                       f"{wait} epoch(s) had none")  # fmt: skip
         why = (
-            f"monitor={monitor!r} never plateaued: best {best_text}, {wait} epoch(s) without improvement of the "
-            f"patience={patience} needed ({need}); the stage is {stage_epochs} epoch(s) long (min_stage_epochs="
-            f"{min_stage_epochs})"
+            f"monitor={monitor!r} never plateaued: {plateau}; the current stage is {stage_epochs} epoch(s) long "
+            f"(min_stage_epochs={min_stage_epochs})"
         )
     else:
         why = f"every_n_epochs={every_n_epochs} is more than the {epochs} training epoch(s) of this fit"
