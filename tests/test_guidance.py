@@ -120,10 +120,12 @@ def test_a_metric_asked_for_and_never_logged_is_an_error_naming_it(tmp_path):
 def test_every_n_epochs_with_a_monitor_warns():
     with pytest.warns(UserWarning, match=r"every_n_epochs=3 has no effect while monitor='train_loss'.*monitor=None"):
         GrowUntilSaturated(every_n_epochs=3)
+    with pytest.warns(UserWarning, match=r"every_n_epochs=1 has no effect while monitor='val_loss'"):
+        GrowUntilSaturated(every_n_epochs=1, monitor="val_loss")  # the case: silently ignored before
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        GrowUntilSaturated(every_n_epochs=3, monitor=None)
-        GrowUntilSaturated()
+        assert GrowUntilSaturated(every_n_epochs=3, monitor=None).every_n_epochs == 3
+        assert GrowUntilSaturated().every_n_epochs == 1 and GrowUntilSaturated(monitor=None).every_n_epochs == 1
 
 
 # -- a probe too small for min_gain ----------------------------------------------------------------------
@@ -219,3 +221,13 @@ def test_gamma_trace_with_the_paper_rule_draws_gamma_against_delta_plus_t():
     history = [dict(h, rule="paper") for h in _history()[:1]]
     lines = _points(plot_gamma_trace(history).axes[0])
     assert lines[r"$\hat\Gamma$ (decided)"] == ([3], [0.2]) and lines[r"$\delta+t$: grow above"] == ([3], [0.6])
+
+
+def test_the_stopping_experiments_scratch_rule_does_not_warn_about_every_n_epochs():
+    from growtrain.experiments.stopping import _scratch_grower
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scratch = _scratch_grower(GrowUntilSaturated(monitor="val_loss", min_gain=None))
+        fixed = _scratch_grower(GrowUntilSaturated(monitor=None, every_n_epochs=3, min_gain=None))
+    assert (scratch.every_n_epochs, scratch.max_growths, fixed.every_n_epochs) == (1, 0, 3)

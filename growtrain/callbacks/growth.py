@@ -107,8 +107,8 @@ class GrowUntilSaturated(Callback):
         loss_fn: ``loss_fn(output, target)`` → mean batch loss for the probe; ``None`` uses
             ``pl_module.probe_loss`` if defined, else cross-entropy.
         every_n_epochs: with ``monitor=None``, check at the end of every n-th training epoch
-            (counted from the last check). With a monitor it has no effect (a value other than 1
-            is warned about).
+            (counted from the last check); ``None`` means 1. Given together with a monitor it
+            has no effect and is warned about.
         monitor: a metric logged per epoch (default ``"train_loss"``): check only when it has
             plateaued, i.e. the current stage has converged (the paper grows a converged
             network). ``None`` checks every ``every_n_epochs``. A module that logs no
@@ -183,7 +183,7 @@ class GrowUntilSaturated(Callback):
         probe: DataLoader | Callable[[], Iterable] | None = None,
         network: str | nn.Module | None = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-        every_n_epochs: int = 1,
+        every_n_epochs: int | None = None,
         monitor: str | None = "train_loss",
         mode: Literal["min", "max"] = "min",
         patience: int = 3,
