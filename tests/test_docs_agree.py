@@ -91,6 +91,7 @@ def test_measured_quickstart_times_agree_with_docs_results():
     wall = re.search(r"\*\*(\d+ min \d+ s)\*\* wall", results).group(1)
     fit, probe = re.search(r"fit \*\*([\d.]+) s\*\* \(probe ([\d.]+) s", results).groups()
     readme = text("README.md")
+    assert f"growtrain fit --config configs/quickstart.yaml # {wall}" in readme  # beside the first command
     assert f"**Measured: {wall}**" in readme and f"took {wall} of wall time (fit {fit} s, {probe} s of it inside the probe)" in readme
     share = 100 * float(probe) / float(fit)
     assert f"measured {fit} s per fit with {probe} s inside the probe (**{share:.1f} %**" in text("docs/callback.md")
@@ -136,3 +137,10 @@ def test_readme_lists_every_subcommand():
     commands = re.search(r"### Commands(.*?)\n## ", (ROOT / "README.md").read_text(), re.S).group(1)
     listed = {n for group in re.findall(r"`growtrain ([a-z\\|]+)", commands) for n in group.replace("\\", "").split("|")}
     assert listed == {"fit", "validate", "test", "predict", *EXPERIMENTS}, listed
+
+
+def test_documented_smallest_useful_probe_is_the_code_s():
+    from growtrain.callbacks.guidance import smallest_useful_probe
+
+    need = smallest_useful_probe(DEFAULT_MIN_GAIN, inspect.signature(GrowUntilSaturated).parameters["alpha"].default)
+    assert f"{need:,} samples for `min_gain={DEFAULT_MIN_GAIN:g}` at α = 0.05" in text("docs/callback.md")

@@ -17,7 +17,8 @@ def test_growtrains_trainer_has_no_tips_no_zero_flops_and_no_v_num(tmp_path, cap
     dm = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=96, synthetic_classes=4, probe_size=16,
                          val_size=16, batch_size=32, augment=False)  # fmt: skip
     module = ImageClassifier(width=4, in_channels=3, num_classes=4)
-    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as caught:
+    # the "lightning.pytorch" logger: other tests raise its level
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"), warnings.catch_warnings(record=True) as caught:
         trainer = BaseGrowTrainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, accelerator="cpu",
                                   default_root_dir=tmp_path)  # default logger, summary and progress bar
         trainer.fit(module, dm)

@@ -96,8 +96,6 @@ def output_lines(trainer: Any, *, history_path: str | None, history_written: boo
     """Where this fit's outputs are: the log directory (and which files are in it), the growth
     history and Γ̂ trace, and every checkpoint callback's files. Call on rank 0 with paths
     computed on every rank (``trainer.log_dir`` is a collective under DDP)."""
-    from growtrain.callbacks.gamma_plot import GammaTracePlot
-
     lines = []
     folder = os.path.dirname(history_path) if history_path else None
     if folder:
@@ -110,7 +108,8 @@ def output_lines(trainer: Any, *, history_path: str | None, history_written: boo
                     files.append(os.path.basename(path))
         if history_written:
             files.append(os.path.basename(history_path))
-            if any(isinstance(cb, GammaTracePlot) for cb in trainer.callbacks):
+            # by name: importing growtrain.callbacks.gamma_plot here would close an import cycle
+            if any("GammaTracePlot" in {c.__name__ for c in type(cb).__mro__} for cb in trainer.callbacks):
                 files.append("gamma_trace.png")
         if files:
             lines.append(f"outputs: {folder}{os.sep} ({', '.join(files)})")
