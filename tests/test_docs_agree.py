@@ -55,12 +55,33 @@ def test_quickstart_splits_and_epochs_agree_with_its_config():
     results = text("docs/results.md")
     assert (f"({q['train']} train images of which it trains on {q['subset']}, {q['probe']} probe, {q['val']} val; "
             f"`lr_schedule: anneal` with {q['anneal']}-epoch anneals") in results  # fmt: skip
-    callback = text("docs/callback.md")
-    assert f"ImageDataModule(probe_size={q['probe']}, train_subset={q['subset']}, augment=False)" in callback
+
+def test_the_python_quickstart_is_the_config():
+    """README's and docs/callback.md's Python example is configs/quickstart.yaml, value for value."""
+    data = QUICKSTART["data"]["init_args"]
+    model = QUICKSTART["model"]["init_args"]
+    sgd = model["optimizer"]["init_args"]
     grow = next(c["init_args"] for c in QUICKSTART["trainer"]["callbacks"] if c["class_path"].endswith("GrowUntilSaturated"))
-    assert (f'GrowUntilSaturated(monitor="{grow["monitor"]}", patience={grow["patience"]}, min_rel_delta='
-            f'{grow["min_rel_delta"]}, lr_schedule="{grow["lr_schedule"]}", anneal_epochs={grow["anneal_epochs"]}, '
-            f'on_saturated="{grow["on_saturated"]}")') in callback  # fmt: skip
+    phrases = [
+        f"L.seed_everything({QUICKSTART['seed_everything']})",
+        f"ImageDataModule(probe_size={data['probe_size']}, val_size={data['val_size']}, train_subset="
+        f"{data['train_subset']}, augment={data['augment']})",
+        f"ImageClassifier(in_channels=1, width={model['width']}, optimizer=lambda params: torch.optim.SGD(params, "
+        f"lr={sgd['lr']}, momentum={sgd['momentum']}, weight_decay={sgd['weight_decay']:.0e}))".replace("e-0", "e-"),
+        f'GrowUntilSaturated(monitor="{grow["monitor"]}", patience={grow["patience"]}, min_rel_delta='
+        f'{grow["min_rel_delta"]}, lr_schedule="{grow["lr_schedule"]}", anneal_epochs={grow["anneal_epochs"]}, '
+        f'max_growths={grow["max_growths"]}, on_saturated="{grow["on_saturated"]}")',
+        f"L.Trainer(max_epochs={QUICKSTART['trainer']['max_epochs']}, callbacks=[grow, GammaTracePlot()])",
+    ]  # fmt: skip
+    assert model["blocks"] == [1, 1, 1] and model["family"] == "basic"  # ImageClassifier's defaults
+    assert sgd["lr"] and QUICKSTART["model"]["init_args"]["optimizer"]["class_path"] == "torch.optim.SGD"
+    assert set(grow) == {"monitor", "patience", "min_rel_delta", "min_stage_epochs", "lr_schedule", "anneal_epochs",
+                         "rule", "min_gain", "alpha", "max_growths", "on_saturated"}  # fmt: skip
+    assert (grow["min_stage_epochs"], grow["rule"], grow["min_gain"], grow["alpha"]) == (2, "crossfit", 0.01, 0.05)
+    for name in ("README.md", "docs/callback.md"):
+        page = text(name).replace("( ", "(")
+        for phrase in phrases:
+            assert phrase in page, (name, phrase)
 
 
 def test_no_page_gives_the_quickstart_other_splits():
@@ -144,3 +165,16 @@ def test_documented_smallest_useful_probe_is_the_code_s():
 
     need = smallest_useful_probe(DEFAULT_MIN_GAIN, inspect.signature(GrowUntilSaturated).parameters["alpha"].default)
     assert f"{need:,} samples for `min_gain={DEFAULT_MIN_GAIN:g}` at α = 0.05" in text("docs/callback.md")
+
+
+def test_the_readmes_python_example_runs(tmp_path, monkeypatch):
+    """The example itself, cut to one short epoch (its API calls are real: a typo fails here)."""
+    code = re.search(r"```python\n(import lightning as L\nimport torch\n.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    short = code.replace("L.Trainer(max_epochs=60,", f"L.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1, "
+                         f"enable_progress_bar=False, logger=False, default_root_dir={str(tmp_path)!r},")  # fmt: skip
+    assert short != code
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    with pytest.warns(UserWarning, match="no growth check ran"):  # one epoch: too short for a plateau, and it says so
+        exec(compile(short, "README.md", "exec"), scope)
+    assert scope["trainer"].state.finished and scope["grow"].history == []
