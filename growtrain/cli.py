@@ -15,9 +15,14 @@ Design choices:
   parameters that exist at start-up, and a grown network would keep training with that stale
   optimizer. The optimizer is a model argument (``model.init_args.optimizer``), rebuilt by
   ``configure_optimizers`` whenever Lightning asks.
-- Extra subcommands ``compare``, ``measure``, ``sweep``, ``match`` are methods of
+- Extra subcommands ``compare``, ``stopping``, ``measure``, ``sweep``, ``match`` are methods of
   ``growtrain.trainer.GrowTrainer`` (the ``trainer_class``), listed in ``subcommands()``
   (name -> arguments to skip) as LightningCLI requires; each takes the config's model and data.
+- Messages (issue 21): ``growtrain --help`` describes growtrain; ``fit --help`` says how to list
+  the growth callback's arguments; a parse error is one ``error:`` line (no usage dump) and a
+  YAML error names its file (``GrowtrainParser``); a class's own validation error comes out as
+  itself (``instantiate_classes``), one line from ``main``; a ``ckpt_path`` is checked before
+  LightningCLI reads its hyper-parameters, and the model arguments they override are reported.
 """
 
 from __future__ import annotations
@@ -124,7 +129,7 @@ class GrowtrainCLI(LightningCLI):
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        # compare | measure | sweep | match: GrowTrainer methods, model and data from the config as for fit
+        # compare | measure | sweep | match | stopping: GrowTrainer methods, model and data from the config as for fit
         return {**LightningCLI.subcommands(), **{name: {"model", "datamodule"} for name in EXPERIMENTS}}
 
     def _parse_ckpt_path(self) -> None:

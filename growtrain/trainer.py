@@ -1,8 +1,8 @@
 """``GrowTrainer``: a ``lightning.Trainer`` whose extra methods are growtrain's experiments.
 
 LightningCLI builds one subcommand per trainer method named in ``subcommands()``, with the
-method's signature as its arguments. So ``growtrain compare|measure|sweep|match`` are
-``GrowTrainer.compare|measure|sweep|match``; each is a thin wrapper around a function in
+method's signature as its arguments. So ``growtrain compare|measure|sweep|match|stopping`` are
+``GrowTrainer.compare|measure|sweep|match|stopping``; each is a thin wrapper around a function in
 ``growtrain.experiments`` that needs no CLI (call it from Python or a notebook).
 
 The experiments train many networks, one after another in this process. Each training gets a
