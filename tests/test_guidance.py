@@ -133,16 +133,17 @@ def test_probe_too_small_for_min_gain_is_warned_at_setup(tmp_path):
     steps = []
     spy = type("Spy", (L.Callback,), {"on_train_batch_start": lambda self, *a: steps.append(1)})()
     grow = GrowUntilSaturated(monitor=None, min_gain=0.01, alpha=0.05, verbose=False)
-    with pytest.warns(UserWarning, match=r"probe: 40 samples are too few for min_gain=0.01") as caught:
+    with pytest.warns(UserWarning, match=r"probe: with 40 samples a gain of min_gain=0.01 is not detectable") as caught:
         try:
             _trainer(tmp_path, [grow, spy], max_epochs=1, limit_train_batches=0).fit(
                 ImageClassifier(width=4, in_channels=3, num_classes=4), _dm())
         except Exception:
             pass
-    message = next(str(w.message) for w in caught if "too few" in str(w.message))
+    message = next(str(w.message) for w in caught if "not detectable" in str(w.message))
     need = math.ceil((1.6448536269514722 / 0.01) ** 2)
-    assert f"Smallest useful probe: {need} samples" in message
-    assert "26.0 %" in message  # z·1/sqrt(40) = 0.26: the noise as a fraction of the loss
+    assert f"Smallest useful probe: {need:,} samples" in message
+    assert "noise is about 26.0 % of the probe loss" in message  # z·1/sqrt(40) = 0.26 of the loss
+    assert "more than about 27.0 %" in message  # min_gain + noise
 
 
 def test_probe_size_message_thresholds():

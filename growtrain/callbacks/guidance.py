@@ -48,12 +48,10 @@ def probe_size_message(n: int, min_gain: float | None, alpha: float) -> str | No
         return None
     need = smallest_useful_probe(min_gain, alpha)
     return (
-        f"probe: {n} samples are too few for min_gain={min_gain:g} to be detectable at level alpha={alpha:g}: "
-        f"the per-sample losses' noise alone is {100 * noise:.1f} % of the probe loss, so a growth is certified "
-        f"to pay only if it lowers the probe loss by more than about {100 * (min_gain + noise):.1f} %, not "
-        f"{100 * min_gain:g} %. Smallest useful probe: {need} samples (its noise is min_gain; spread of the "
-        f"per-sample differences taken as {GAIN_SPREAD:g}× the loss, as measured in docs/results). "
-        "Fix: a larger probe (ImageDataModule's probe_size), or accept the coarser resolution."
+        f"probe: with {n} samples a gain of min_gain={min_gain:g} is not detectable at level alpha={alpha:g}: the "
+        f"test's noise is about {100 * noise:.1f} % of the probe loss, so a growth counts only if it lowers the "
+        f"probe loss by more than about {100 * (min_gain + noise):.1f} %. Smallest useful probe: {need:,} samples "
+        "(or a larger min_gain). Why: docs/callback.md, 'Probe size and min_gain'."
     )
 
 
