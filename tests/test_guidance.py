@@ -232,3 +232,14 @@ def test_the_stopping_experiments_scratch_rule_does_not_warn_about_every_n_epoch
         scratch = _scratch_grower(GrowUntilSaturated(monitor="val_loss", min_gain=None))
         fixed = _scratch_grower(GrowUntilSaturated(monitor=None, every_n_epochs=3, min_gain=None))
     assert (scratch.every_n_epochs, scratch.max_growths, fixed.every_n_epochs) == (1, 0, 3)
+
+
+def test_resume_false_says_it_discards_earlier_rows(tmp_path):
+    from growtrain.experiments.runs import RunLog
+
+    log = RunLog(tmp_path / "runs.jsonl", "fp")
+    log.add("a", {"x": 1})
+    log.add("b", {"x": 2})
+    with pytest.warns(UserWarning, match=r"resume=False discards the 2 earlier result row\(s\) in .*runs\.jsonl"):
+        fresh = RunLog(tmp_path / "runs.jsonl", "fp", resume=False)
+    assert fresh.rows == {} and not (tmp_path / "runs.jsonl").exists()

@@ -297,6 +297,9 @@ class RunLog:
         self.path, self.fingerprint = Path(path), fingerprint
         self.rows: dict[str, dict] = {}
         if self.path.exists() and not resume:
+            rows = sum(1 for line in self.path.read_text().splitlines() if line.strip())
+            warnings.warn(f"output_dir: resume=False discards the {rows} earlier result row(s) in {self.path} (as asked); "
+                          "pass another output_dir to keep them.", UserWarning, stacklevel=2)  # fmt: skip
             self.path.unlink()
         if self.path.exists():
             for number, line in enumerate(self.path.read_text().splitlines(), 1):
