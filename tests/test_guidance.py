@@ -129,7 +129,7 @@ def test_every_n_epochs_with_a_monitor_warns():
 
 
 # -- a probe too small for min_gain ----------------------------------------------------------------------
-def test_probe_too_small_for_min_gain_is_warned_at_setup(tmp_path):
+def test_probe_too_small_for_min_gain_is_warned_before_training(tmp_path):
     steps = []
     spy = type("Spy", (L.Callback,), {"on_train_batch_start": lambda self, *a: steps.append(1)})()
     grow = GrowUntilSaturated(monitor=None, min_gain=0.01, alpha=0.05, verbose=False)

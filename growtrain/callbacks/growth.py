@@ -296,22 +296,10 @@ class GrowUntilSaturated(Callback):
                 )
             check_split_indices(dm)
             dm.probe_dataloader()  # an empty probe (probe_size=0) is refused here, at setup, not at a check
-        self._warn_small_probe(trainer)
-
-    def _warn_small_probe(self, trainer: Trainer) -> None:
-        """Warn once at setup when a gain of ``min_gain`` is not detectable with this probe at level α."""
-        if self.min_gain is None:
-            return
-        try:
-            n = self._probe_samples(trainer)
-        except Exception:  # a probe that cannot be counted yet (built late): nothing to say
-            return
-        message = guidance.probe_size_message(n, self.min_gain, self.alpha)
-        if message is not None:
-            rank_zero_warn(message, category=UserWarning)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._fit_start = time.perf_counter()
+        self._warn_small_probe(trainer)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._network is None:
@@ -498,6 +486,18 @@ class GrowUntilSaturated(Callback):
         if not isinstance(batches, (int, float)) or not math.isfinite(batches):
             return 0
         return int(batches) * int(size) * trainer.world_size
+
+    def _warn_small_probe(self, trainer: Trainer) -> None:
+        """Warn once, before training, when a gain of ``min_gain`` is not detectable with this probe at level α."""
+        if self.min_gain is None:
+            return
+        try:
+            n = self._probe_samples(trainer)
+        except Exception:  # a probe that cannot be counted: nothing to say
+            return
+        message = guidance.probe_size_message(n, self.min_gain, self.alpha)
+        if message is not None:
+            rank_zero_warn(message, category=UserWarning)
 
     def _probe_samples(self, trainer: Trainer) -> int:
         loader = self._probe_loader(trainer)
