@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from growtrain import decision as dec
-from growtrain.callbacks import guidance, telemetry
+from growtrain.callbacks import telemetry
 from growtrain.callbacks.growth_config import GrowthConfig
 from growtrain.callbacks.probe_data import (
     ProbeView, check_split_indices, datasets_of, eval_output, first_input, loaders_of, per_sample_losses, probe_overlap,
@@ -37,6 +37,7 @@ from growtrain.callbacks.probe_data import (
 )  # fmt: skip
 from growtrain.batches import to_device
 from growtrain.crossfit import probe_size
+from growtrain.callbacks import guidance  # what a user would otherwise wonder about (issue 21)
 from growtrain.growable import grown_blocks, probe_loss_for, resolve_network
 from growtrain.reconfigure import reconfigure_optimizer, restart_schedulers
 from growtrain.saturation import SaturationReport, measure_saturation
