@@ -9,6 +9,7 @@ checkpoint loadable with ``torch.load(weights_only=True)``, which ``LightningCLI
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal, Sequence
 
 import torch
@@ -100,6 +101,25 @@ class GrowableModuleMixin:
                 "grow() and growth_log). Set `growable_attr = '<attribute name>'` on your module class."
             )
         return network
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, *args: Any, **kwargs: Any):  # type: ignore[override]
+        """``LightningModule.load_from_checkpoint``, after checking that a local file is a complete
+        checkpoint (a truncated file is a ``ValueError`` naming it, not torch's bare ``OSError``)."""
+        from growtrain.ckpt_file import check_checkpoint_file
+
+        if isinstance(checkpoint_path, (str, os.PathLike)):
+            check_checkpoint_file(checkpoint_path)
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
+
+    def configure_callbacks(self):
+        """The module's callbacks plus :class:`growtrain.ckpt_file.CheckpointFileCheck`, so that
+        ``trainer.fit(ckpt_path=<truncated file>)`` names the file. Overriding this? Call ``super()``."""
+        from growtrain.ckpt_file import CheckpointFileCheck
+
+        callbacks = super().configure_callbacks()  # type: ignore[misc]
+        callbacks = [] if callbacks is None else [callbacks] if not isinstance(callbacks, (list, tuple)) else list(callbacks)
+        return callbacks + [CheckpointFileCheck()]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)  # type: ignore[misc]

@@ -30,40 +30,96 @@ def _figure(size=(7.0, 4.0)):
     return Figure(figsize=size, layout="constrained")
 
 
-def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, title: str | None = None):
-    """Γ̂ at each growth check, the δ+t threshold as a band, growth events marked.
+def _gain(record: dict) -> dict | None:
+    """The ``min_gain`` verdict of a check (the realized gain of the block grown before it), if any."""
+    return record.get("gain") or (record.get("verdicts") or {}).get("gain")
 
-    ``history``: ``GrowUntilSaturated.history`` (dicts with ``step``, ``gamma``,
-    ``threshold``, ``site``, ``saturated``; ``ag_max`` and ``lower`` are drawn when present).
-    Checks are placed at their global ``step`` (``epoch`` if no step was recorded).
+
+def _whole_epochs(ax, xs: Sequence[float]) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if xs and min(xs) == max(xs):  # one check: a few whole epochs around it, not 19.00-21.00
+        ax.set_xlim(xs[0] - 1, xs[0] + 1)
+
+
+def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, title: str | None = None):
+    """What decided each growth check, against the epoch at whose end it ran.
+
+    Top: the first-order test — the best site's certified (cross-fit) lower bound against the
+    rule's threshold (``margin``: δ, or τ·R for the relative rule); with ``rule="paper"``, Γ̂
+    against δ+t. Middle (with ``min_gain``): each later check's certified gain of the last block
+    (its lower bound) against what it needed (``min_gain`` × the probe loss at that growth).
+    Filled markers are the quantities that decided a check; hollow ones were reported only.
+    Bottom, secondary: the paper's Γ̂ = max‖ĝ‖ and δ+t. Red lines: blocks inserted.
+
+    ``history``: ``GrowUntilSaturated.history`` (dicts with ``epoch``, ``gamma``, ``threshold``,
+    ``lower``, ``margin``, ``rule``, ``gain``, ``action``, ``sites``). Checks without an epoch
+    are placed at their ``step``.
     """
     if not history:
         raise ValueError("history: no growth checks to plot (the callback recorded none)")
-    xkey = "step" if all(h.get("step") is not None for h in history) else "epoch"
+    xkey = "epoch" if all(h.get("epoch") is not None for h in history) else "step"
     measured = [h for h in history if h.get("gamma") is not None]  # budget stops run no probe
+    gains = [h for h in measured if _gain(h)]
+    paper = bool(measured) and all(h.get("rule") == "paper" for h in measured)
+    rows = 2 + bool(gains)
+    fig = _figure((8.5, 2.3 * rows + 0.6))
+    axes = fig.subplots(rows, 1, sharex=True, height_ratios=[2, 2, 1.2] if gains else [2, 1.2])
+    first, *rest = axes
+    gain_ax = rest[0] if gains else None
+    paper_ax = rest[-1]
+    # -- the first-order test: lower bound vs threshold (or Γ̂ vs δ+t for the paper rule) ---------------------
+    value_key, need_key = ("gamma", "threshold") if paper else ("lower", "margin")
+    pts = [h for h in measured if h.get(value_key) is not None]
+    for decided in (True, False):
+        sel = [h for h in pts if (not _gain(h)) == decided]
+        if sel:
+            first.plot([h[xkey] for h in sel], [h[value_key] for h in sel], "o", color="C0",
+                       fillstyle="full" if decided else "none",
+                       label=(r"$\hat\Gamma$" if paper else "best certified lower bound")
+                       + (" (decided)" if decided else " (reported)"))  # fmt: skip
+    needs = [h for h in pts if h.get(need_key) is not None]
+    if needs:
+        first.plot([h[xkey] for h in needs], [h[need_key] for h in needs], "_", color="C3", ms=14, mew=2,
+                   label=r"$\delta+t$: grow above" if paper else "threshold (δ or τ·R): grow above")  # fmt: skip
+    first.set_ylabel("gradient norm")
+    first.set_title("first-order test: " + ("Γ̂ against δ+t" if paper else "certified lower bound against its threshold"),
+                    fontsize=9, loc="left")  # fmt: skip
+    # -- min_gain: each later check's certified gain of the last block vs its need ------------------------------
+    if gain_ax is not None:
+        gx = [h[xkey] for h in gains]
+        gain_ax.plot(gx, [_gain(h)["score"] for h in gains], "s", color="C4", label="certified gain of the last block")
+        gain_ax.plot(gx, [_gain(h)["margin"] for h in gains], "_", color="C3", ms=14, mew=2,
+                     label="need: min_gain × probe loss (grow above)")  # fmt: skip
+        gain_ax.axhline(0.0, color="0.6", lw=0.6)
+        gain_ax.set_ylabel("probe-loss drop")
+        gain_ax.set_title("realized gain: the last growth's certified probe-loss drop against its need", fontsize=9,
+                          loc="left")  # fmt: skip
+    # -- secondary: the paper's Γ̂ and δ+t -----------------------------------------------------------------------
     x = [h[xkey] for h in measured]
-    fig = _figure((8.5, 4.0))
-    ax = fig.subplots()
-    ax.plot(x, [h["gamma"] for h in measured], "o-", color="C0", label=r"$\hat\Gamma = \max_l \|\hat g_l\|$")
+    paper_ax.plot(x, [h["gamma"] for h in measured], "o-", color="0.4", ms=3, lw=0.8, label=r"$\hat\Gamma$ (paper)")
     if measured and all(h.get("threshold") is not None for h in measured):
-        thresholds = [h["threshold"] for h in measured]
-        ax.fill_between(x, 0, thresholds, color="C2", alpha=0.15, label=r"$\hat\Gamma \leq \delta+t$: saturated")
-        ax.plot(x, thresholds, "_--", color="C2", ms=12, lw=1, label=r"$\delta+t$")
-    for key, style, color, label in (("ag_max", "s:", "C1", r"$AG_{\max}$"), ("lower", "^:", "C4", "cross-fit lower bound")):
-        if measured and all(h.get(key) is not None for h in measured):
-            ax.plot(x, [h[key] for h in measured], style, color=color, ms=3, label=label)
+        paper_ax.plot(x, [h["threshold"] for h in measured], "--", color="0.6", lw=0.8, label=r"$\delta+t$ (paper)")
+    paper_ax.set_ylabel("gradient norm", fontsize=8)
+    paper_ax.set_title("secondary: the paper's Proposition 1 quantities" + ("" if not paper else " (deciding here)"),
+                       fontsize=8, loc="left")  # fmt: skip
+    for ax in axes:
+        for h in history:
+            if grew(h):
+                ax.axvline(h[xkey], color="C3", lw=0.8, alpha=0.6)
+        ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))  # zero in view: a gain can be negative
     for h in history:
         if grew(h):
-            xi = h[xkey]
-            ax.axvline(xi, color="C3", lw=0.8, alpha=0.7)
-            ax.annotate(", ".join(h.get("sites") or [str(h.get("site"))]), (xi, 1.0), xycoords=("data", "axes fraction"),
-                        rotation=90, va="top", ha="right", fontsize=7, color="C3")  # fmt: skip
-    ax.axvline(float("nan"), color="C3", lw=0.8, label="block inserted")  # legend entry only
-    ax.set_xlabel("training step" if xkey == "step" else "epoch")
-    ax.set_ylabel("gradient norm")
-    ax.set_ylim(bottom=0)
-    ax.set_title(title or r"Growth checks: $\hat\Gamma$ against the threshold $\delta+t$")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never over the data
+            first.annotate(", ".join(h.get("sites") or [str(h.get("site"))]), (h[xkey], 1.0),
+                           xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7,
+                           color="C3")  # fmt: skip
+    first.axvline(float("nan"), color="C3", lw=0.8, label="block inserted")  # legend entry only
+    for ax in axes:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never over the data
+    _whole_epochs(paper_ax, [h[xkey] for h in history])
+    paper_ax.set_xlabel("epoch (a check runs at its end)" if xkey == "epoch" else "training step")
+    fig.suptitle(title or "Growth checks: what decided each one", fontsize=10)
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)

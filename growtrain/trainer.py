@@ -1,8 +1,8 @@
 """``GrowTrainer``: a ``lightning.Trainer`` whose extra methods are growtrain's experiments.
 
 LightningCLI builds one subcommand per trainer method named in ``subcommands()``, with the
-method's signature as its arguments. So ``growtrain compare|measure|sweep|match`` are
-``GrowTrainer.compare|measure|sweep|match``; each is a thin wrapper around a function in
+method's signature as its arguments. So ``growtrain compare|measure|sweep|match|stopping`` are
+``GrowTrainer.compare|measure|sweep|match|stopping``; each is a thin wrapper around a function in
 ``growtrain.experiments`` that needs no CLI (call it from Python or a notebook).
 
 The experiments train many networks, one after another in this process. Each training gets a
@@ -17,6 +17,7 @@ refused by the experiment methods. Sibling trainers and ``evaluate`` live in
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal, Optional, Sequence, Union
 
@@ -57,18 +58,37 @@ class GrowTrainer(BaseGrowTrainer):
     """
 
     # -- helpers --------------------------------------------------------------------------
-    def _experiment_dir(self, name: str, output_dir: str | None) -> Path:
+    def _experiment_dir(self, name: str, output_dir: str | None, result: str | None = None) -> Path:
+        """The folder an experiment writes to. ``result``: the file of a one-shot experiment
+        (``measure.json``): an earlier result is never overwritten — the default folder becomes
+        ``<name>_1``, ``<name>_2``, ...; an ``output_dir`` that holds one is refused. (The other
+        experiments resume from their ``runs.jsonl`` in the same folder.)"""
         if self.world_size > 1:
             raise ValueError(
                 f"{name}: runs its trainings one after another in this process; got world_size="
                 f"{self.world_size}. Use devices=1 (and num_nodes=1) for experiment subcommands."
             )
         out = Path(output_dir) if output_dir is not None else Path(self.default_root_dir) / name
+        if result is not None and (out / result).exists():
+            if output_dir is not None:
+                raise FileExistsError(
+                    f"output_dir: {str(out)!r} already holds {result} from an earlier {name}, and growtrain never "
+                    f"overwrites a result. Fix: pass another --output_dir, or move {str(out / result)!r} away."
+                )
+            base, k = out, 1
+            while (out := base.with_name(f"{base.name}_{k}")).exists() and (out / result).exists():
+                k += 1
         out.mkdir(parents=True, exist_ok=True)
         for cb in self.callbacks:  # keep the CLI's config with the results it produced
             if isinstance(cb, SaveConfigCallback) and not (out / "config.yaml").exists():
                 cb.parser.save(cb.config, out / "config.yaml", skip_none=False, overwrite=True, multifile=False)
         return out
+
+    def _wrote(self, name: str, out: Path) -> None:
+        """Say where an experiment's results are (its folder and the files in it)."""
+        if self.is_global_zero:
+            files = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))
+            print(f"{name}: results in {out}{os.sep} ({files})", flush=True)
 
     def _show(self, renderable) -> None:
         if self.is_global_zero:
@@ -138,6 +158,7 @@ class GrowTrainer(BaseGrowTrainer):
             keep_epoch_weights=keep_epoch_weights,
         )
         self._show(result.table())
+        self._wrote("compare", out)
         return result
 
     def measure(
@@ -173,13 +194,14 @@ class GrowTrainer(BaseGrowTrainer):
             seed: seed of the candidate blocks' feature weights.
             output_dir: where measure.json/.md go; default ``<default_root_dir>/measure``.
         """
-        out = self._experiment_dir("measure", output_dir)
+        out = self._experiment_dir("measure", output_dir, result="measure.json")
         model.to(self.strategy.root_device)
         result = run_measure(
             model, datamodule, ckpt_path=ckpt_path, delta=delta, alpha=alpha, t=t, rule=rule, tau=tau,
             projected=projected, seed=seed, output_dir=out,
         )  # fmt: skip
         self._show(result.table())
+        self._wrote("measure", out)
         return result
 
     def sweep(
@@ -206,7 +228,7 @@ class GrowTrainer(BaseGrowTrainer):
             seed: seed of every training (the paper uses one seed per depth).
             growth_history: a ``growth_history.json`` of a growth run: marks where growth stopped.
             delta, alpha, rule: the saturation test reported at each depth. ``rule`` defaults to
-                ``paper``, unlike the decision entry points (``relative``): the sweep reproduces the
+                ``paper``, unlike the decision entry points (``crossfit``): the sweep reproduces the
                 paper's Figure 1, whose verdict is Proposition 1's Γ̂ ≤ δ+t.
             projected: also compute V_S at each depth (slower; off, as on every decision path).
             output_dir: sweep.json/.csv/.md and sweep.png; default ``<default_root_dir>/sweep``.
@@ -219,6 +241,7 @@ class GrowTrainer(BaseGrowTrainer):
             projected=projected, output_dir=out, resume=resume,
         )  # fmt: skip
         self._show(result.table())
+        self._wrote("sweep", out)
         return result
 
     def stopping(
@@ -259,6 +282,7 @@ class GrowTrainer(BaseGrowTrainer):
             train=train,
         )  # fmt: skip
         self._show(result.table())
+        self._wrote("stopping", out)
         return result
 
     def match(
@@ -287,11 +311,12 @@ class GrowTrainer(BaseGrowTrainer):
             batch_size: chunk size when caching and fitting (memory only; the fit is full-batch).
             output_dir: match.json/.md; default ``<default_root_dir>/match``.
         """
-        out = self._experiment_dir("match", output_dir)
+        out = self._experiment_dir("match", output_dir, result="match.json")
         model.to(self.strategy.root_device)
         result = run_match(
             model, datamodule, ckpt_path=ckpt_path, alpha=alpha, seeds=seeds, steps=steps, lr=lr,
             samples=samples, batch_size=batch_size, output_dir=out,
         )  # fmt: skip
         self._show(result.table())
+        self._wrote("match", out)
         return result

@@ -167,3 +167,38 @@ def test_sweep_runs_on_a_language_model_config(tmp_path):
     GrowtrainCLI(args=["sweep", "--config", str(config), "--depths=1..2", f"--output_dir={tmp_path / 'out'}"])
     saved = json.loads((tmp_path / "out" / "sweep.json").read_text())
     assert [r["depth"] for r in saved["rows"]] == [1, 2] and all(r["ag_max"] > 0 for r in saved["rows"])
+
+
+def test_measure_reports_checkpoint_arguments_that_override_the_config(fitted, tmp_path):
+    """The checkpoint is width 4; a config asking for width 8 is overridden, and that is said."""
+    config, _, ckpt, _ = fitted
+    with pytest.warns(UserWarning, match=r"ckpt_path: .* differ from the config's model section \(width: config 8, "
+                      r"checkpoint 4\); the model is built with the checkpoint's"):  # fmt: skip
+        cli = GrowtrainCLI(args=["measure", "--config", str(config), f"--ckpt_path={ckpt}", "--model.width=8",
+                                 f"--output_dir={tmp_path}"])  # fmt: skip
+    assert cli.model.hparams.width == 4
+
+
+def test_measure_of_a_truncated_checkpoint_names_the_file(fitted, tmp_path):
+    config, _, ckpt, _ = fitted
+    bad = tmp_path / "cut.ckpt"
+    bad.write_bytes(ckpt.read_bytes()[:3000])
+    with pytest.raises(ValueError, match=r"ckpt_path: '.*cut\.ckpt' \(3000 bytes\) is not a complete checkpoint"):
+        GrowtrainCLI(args=["measure", "--config", str(config), f"--ckpt_path={bad}", f"--output_dir={tmp_path}"])
+
+
+def test_measure_never_overwrites_an_earlier_result_and_says_where_it_wrote(fitted, tmp_path, capsys):
+    config, _, ckpt, _ = fitted
+    root = tmp_path / "root"
+    args = ["measure", "--config", str(config), f"--ckpt_path={ckpt}", f"--trainer.default_root_dir={root}"]
+    GrowtrainCLI(args=args)
+    first = (root / "measure" / "measure.json").read_text()
+    GrowtrainCLI(args=args)
+    assert (root / "measure" / "measure.json").read_text() == first  # untouched
+    assert (root / "measure_1" / "measure.json").is_file()
+    out = capsys.readouterr().out
+    assert f"measure: results in {root / 'measure'}/ (config.yaml, measure.json, measure.md)" in out
+    assert f"measure: results in {root / 'measure_1'}/" in out
+    with pytest.raises(FileExistsError, match=r"output_dir: '.*measure' already holds measure.json from an earlier "
+                       r"measure, and growtrain never overwrites a result\. Fix: pass another --output_dir"):  # fmt: skip
+        GrowtrainCLI(args=args + [f"--output_dir={root / 'measure'}"])

@@ -245,14 +245,30 @@ def test_checkpoint_with_a_malformed_growth_record(tmp_path, grown_checkpoint, h
         LOADERS[how](tmp_path, _edited(grown_checkpoint, tmp_path, edit))
 
 
-@pytest.mark.xfail(strict=True, reason="needs lead fix: a truncated checkpoint file surfaces torch's bare "
-                   "OSError('[Errno 22] Invalid argument'); it should say the file is not a complete checkpoint")  # fmt: skip
-@pytest.mark.parametrize("how", list(LOADERS))
+@pytest.mark.parametrize("how", [*LOADERS, "measure"])
 def test_truncated_checkpoint_file(tmp_path, grown_checkpoint, how):
+    """Not torch's bare OSError('[Errno 22] Invalid argument'): the error names the file and says why."""
     path = tmp_path / "truncated.ckpt"
     path.write_bytes(grown_checkpoint.read_bytes()[:5000])
-    with pytest.raises(Exception, match=r"checkpoint"):
-        LOADERS[how](tmp_path, path)
+    with pytest.raises(ValueError, match=r"ckpt_path: '.*truncated\.ckpt' \(5000 bytes\) is not a complete checkpoint: "
+                       r"the file is truncated.*Fix: point ckpt_path at a complete checkpoint"):  # fmt: skip
+        if how == "measure":
+            from growtrain.experiments.runs import load_checkpoint_into
+
+            load_checkpoint_into(ImageClassifier(width=4, in_channels=3, num_classes=4), path)
+        else:
+            LOADERS[how](tmp_path, path)
+
+
+def test_a_file_that_is_not_a_checkpoint_is_named(tmp_path):
+    from growtrain.ckpt_file import checkpoint_problem
+
+    (tmp_path / "notes.ckpt").write_text("hello")
+    (tmp_path / "empty.ckpt").write_bytes(b"")
+    assert "is not a torch checkpoint (it starts with b'hell')" in checkpoint_problem(tmp_path / "notes.ckpt")
+    assert "is empty" in checkpoint_problem(tmp_path / "empty.ckpt")
+    with pytest.raises(ValueError, match=r"empty\.ckpt' \(0 bytes\) is empty"):
+        ImageClassifier.load_from_checkpoint(tmp_path / "empty.ckpt")
 
 
 def test_fit_from_a_checkpoint_into_a_differently_grown_model(tmp_path, grown_checkpoint):

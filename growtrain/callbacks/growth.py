@@ -42,6 +42,7 @@ from growtrain.callbacks.probe_data import (
 )  # fmt: skip
 from growtrain.batches import to_device
 from growtrain.crossfit import probe_size
+from growtrain.callbacks import guidance  # what a user would otherwise wonder about (issue 21)
 from growtrain.growable import grown_blocks, probe_loss_for, resolve_network
 from growtrain.reconfigure import reconfigure_optimizer, restart_schedulers
 from growtrain.saturation import SaturationReport, measure_saturation
@@ -94,10 +95,14 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         loss_fn: ``loss_fn(output, target)`` → mean batch loss for the probe; ``None`` uses
             ``pl_module.probe_loss`` if defined, else cross-entropy.
         every_n_epochs: with ``monitor=None``, check at the end of every n-th training epoch
-            (counted from the last check).
+            (counted from the last check); ``None`` means 1. Given together with a monitor it
+            has no effect and is warned about.
         monitor: a metric logged per epoch (default ``"train_loss"``): check only when it has
             plateaued, i.e. the current stage has converged (the paper grows a converged
-            network). ``None`` checks every ``every_n_epochs``.
+            network). ``None`` checks every ``every_n_epochs``. A module that logs no
+            ``train_loss`` is monitored through the epoch mean of the loss ``training_step``
+            returns; any other metric that is never logged is an error naming it. A fit that
+            ends with no check says so (warning and summary) with the reason.
         mode: ``"min"`` or ``"max"``: the direction in which ``monitor`` improves.
         patience: epochs without an improvement that make a plateau.
         min_delta: smallest absolute change of ``monitor`` that counts as an improvement.
@@ -177,7 +182,7 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         probe: DataLoader | Callable[[], Iterable] | None = None,
         network: str | nn.Module | None = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-        every_n_epochs: int = 1,
+        every_n_epochs: int | None = None,
         monitor: str | None = "train_loss",
         mode: Literal["min", "max"] = "min",
         patience: int = 3,
@@ -223,6 +228,10 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         self._can_restore = True  # restore_best under this strategy (not FSDP2 yet)
         self._last_signatures: torch.Tensor | None = None  # fingerprints of the last check's probe samples
         self._fit_start = 0.0
+        self._returned: torch.Tensor | None = None  # sum of this epoch's losses returned by training_step
+        self._returned_batches = 0
+        self._told_returned = False
+        self._waiting: str | None = None  # why the last epoch end ran no check (should_check's reason)
 
     # -- setup: refuse early ------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -255,6 +264,7 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._fit_start = time.perf_counter()
+        self._warn_small_probe(trainer)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._network is None:
@@ -336,6 +346,7 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
 
     # -- hooks -----------------------------------------------------------------------------
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._returned, self._returned_batches = None, 0
         if self.restart_pending:
             self._restart_schedules(trainer, pl_module)
         if self.anneal_done is not None:
@@ -358,9 +369,10 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         self.trained_since_check += self._samples_per_epoch(trainer)
         if self.cooldown_left > 0:
             self.cooldown_left -= 1
+            self._waiting = f"cooldown after growth: {self.cooldown_left + 1} epoch(s) left"
             return
         plateaued = self._track_monitor(trainer) if self.monitor is not None else False
-        check, _ = dec.should_check(
+        check, self._waiting = dec.should_check(
             finished=self.finished, cooldown_left=self.cooldown_left, epochs_since_check=self.epochs_since_check,
             every_n_epochs=self.every_n_epochs, monitor=self.monitor, plateaued=plateaued,
             min_stage_epochs=self.min_stage_epochs, stage_epochs=self.stage_epochs, probe_budget=self.probe_budget,
@@ -385,15 +397,29 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         )  # fmt: skip
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not (self.verbose and trainer.is_global_zero) or self._network is None:
+        if self._network is None:
+            return
+        written = bool(self.history)
+        path = telemetry.history_path(trainer)  # every rank: trainer.log_dir is a collective (broadcast)
+        no_check = None
+        if not self.history:  # the callback did nothing: say so, why, and what to change
+            no_check = guidance.no_check_message(
+                monitor=self.monitor, best=self.best, wait=self.wait, patience=self.patience, mode=self.mode,
+                min_delta=self.min_delta, min_rel_delta=self.min_rel_delta, min_stage_epochs=self.min_stage_epochs,
+                stage_epochs=self.stage_epochs, every_n_epochs=self.every_n_epochs, epochs=trainer.current_epoch,
+                waiting=self._waiting,
+            )  # fmt: skip
+            rank_zero_warn(no_check, category=UserWarning)
+        if not (self.verbose and trainer.is_global_zero):
             return
         keys = ("train_loss", "val_loss", "train_acc", "val_acc")
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k in keys}
         telemetry.print_renderable(trainer, telemetry.fit_summary(
             self.history, start_depth=self.start_depth, final_depth=self._depth(self._network), finished=self.finished,
             stop_reason=self.stop_reason, metrics=metrics, probe_seconds=self.probe_seconds,
-            fit_seconds=time.perf_counter() - self._fit_start,
-        ))  # fmt: skip
+            fit_seconds=time.perf_counter() - self._fit_start, no_check=no_check,
+            outputs=guidance.output_lines(trainer, history_path=path, history_written=written),
+        ), soft_wrap=True)  # fmt: skip
 
     @staticmethod
     def _samples_per_epoch(trainer: Trainer) -> int:
@@ -407,6 +433,18 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             return 0
         return int(batches) * int(size) * trainer.world_size
 
+    def _warn_small_probe(self, trainer: Trainer) -> None:
+        """Warn once, before training, when a gain of ``min_gain`` is not detectable with this probe at level α."""
+        if self.min_gain is None:
+            return
+        try:
+            n = self._probe_samples(trainer)
+        except Exception:  # a probe that cannot be counted: nothing to say
+            return
+        message = guidance.probe_size_message(n, self.min_gain, self.alpha)
+        if message is not None:
+            rank_zero_warn(message, category=UserWarning)
+
     def _probe_samples(self, trainer: Trainer) -> int:
         loader = self._probe_loader(trainer)
         dataset = getattr(loader, "dataset", None)
@@ -415,13 +453,39 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         except TypeError:
             return 0
 
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:  # fmt: skip
+        """Keep the loss ``training_step`` returned (summed on its device, no host copy per batch):
+        the default monitor's fallback when the module logs no ``train_loss``."""
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if self.monitor == "train_loss" and isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            loss = loss.detach().float()
+            self._returned = loss if self._returned is None else self._returned + loss
+            self._returned_batches += 1
+
+    def _returned_loss(self, trainer: Trainer) -> torch.Tensor | None:
+        """This epoch's mean of the losses ``training_step`` returned (all ranks), or None."""
+        if self.monitor != "train_loss" or self._returned is None or not self._returned_batches:
+            return None
+        mean = self._returned / self._returned_batches
+        if getattr(trainer, "world_size", 1) > 1:
+            mean = trainer.strategy.reduce(mean, reduce_op="mean")
+        if not self._told_returned:
+            rank_zero_info("GrowUntilSaturated: 'train_loss' is not logged; monitoring the epoch mean of the loss "
+                           "training_step returns instead (log 'train_loss' per epoch to choose it yourself)")  # fmt: skip
+            self._told_returned = True
+        return mean
+
     def _track_monitor(self, trainer: Trainer) -> bool:
         value = trainer.callback_metrics.get(self.monitor)
         if value is None:
+            value = self._returned_loss(trainer)
+        if value is None:
+            validation = " If it is a validation metric, make sure validation runs every epoch." if "val" in self.monitor else ""
             raise RuntimeError(
                 f"monitor: metric {self.monitor!r} is not logged; available: {sorted(trainer.callback_metrics)}. "
-                "Fix: log it per epoch (self.log('train_loss', loss, on_epoch=True)) or pass monitor=None "
-                "(checks every every_n_epochs)."
+                f"Fix: log it per epoch in your LightningModule (self.log({self.monitor!r}, value, on_epoch=True)), "
+                f"monitor one of the available metrics, or pass monitor=None (checks every every_n_epochs).{validation}"
             )
         value = float(value)
         min_delta = max(self.min_delta, self.min_rel_delta * abs(self.best)) if self.best is not None else 0.0

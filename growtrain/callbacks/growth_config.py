@@ -57,7 +57,7 @@ class GrowthConfig:
     probe: DataLoader | Callable[[], Iterable] | None = None
     network: str | nn.Module | None = None
     loss_fn: Callable[[Any, Any], Any] | None = None
-    every_n_epochs: int = 1
+    every_n_epochs: int | None = None  # None: 1 (given with a monitor: warned about, it has no effect)
     monitor: str | None = "train_loss"
     mode: Literal["min", "max"] = "min"
     patience: int = 3
@@ -99,9 +99,17 @@ class GrowthConfig:
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise _bad("loss_fn", "a callable (output, target) -> mean loss, or None", self.loss_fn,
                        "pass F.cross_entropy")  # fmt: skip
+        given_every = self.every_n_epochs is not None
+        if not given_every:
+            object.__setattr__(self, "every_n_epochs", 1)
         _int("every_n_epochs", self.every_n_epochs, 1)
         if self.monitor is not None and not (isinstance(self.monitor, str) and self.monitor):
             raise _bad("monitor", "None or the name of a logged metric", self.monitor, "pass monitor='train_loss'")
+        if self.monitor is not None and given_every:
+            warnings.warn(f"GrowUntilSaturated: every_n_epochs={self.every_n_epochs} has no effect while monitor="
+                          f"{self.monitor!r} is set: a check runs when the monitor plateaus, whatever the epoch. Fix: "
+                          "pass monitor=None to check every every_n_epochs, or drop every_n_epochs.", UserWarning,
+                          stacklevel=4)  # fmt: skip
         _choice("mode", self.mode, MODES)
         _int("patience", self.patience, 1)
         _number("min_delta", self.min_delta, fix="pass min_delta=0.0")

@@ -105,17 +105,18 @@ def write_history(path: str, history: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def print_renderable(trainer: Trainer, renderable: Any) -> None:
-    """Print above rich's live progress bar when there is one, else through ``rank_zero_info``."""
+def print_renderable(trainer: Trainer, renderable: Any, soft_wrap: bool = False) -> None:
+    """Print above rich's live progress bar when there is one, else through ``rank_zero_info``
+    (``soft_wrap``: text lines are not folded at the console width, so a path copies whole)."""
     from rich.console import Console
 
     bar = trainer.progress_bar_callback
     console = getattr(bar, "_console", None)
     if bar is not None and type(bar).__name__ == "RichProgressBar" and console is not None:
-        console.print(renderable)
+        console.print(renderable, soft_wrap=soft_wrap)
         return
     buffer = io.StringIO()
-    Console(file=buffer, width=120, force_terminal=False, color_system=None).print(renderable)
+    Console(file=buffer, width=120, force_terminal=False, color_system=None).print(renderable, soft_wrap=soft_wrap)
     rank_zero_info(buffer.getvalue().rstrip())
 
 
@@ -140,10 +141,19 @@ def _fmt(value: Any, spec: str = ".4g") -> str:
 
 def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: int | None, finished: str | None,
                 stop_reason: str | None, metrics: dict[str, float], probe_seconds: float,
-                fit_seconds: float) -> Any:  # fmt: skip
+                fit_seconds: float, no_check: str | None = None, outputs: list[str] | None = None) -> Any:  # fmt: skip
     """One screen at the end of a fit: depth start → final, each growth, why it stopped, final
-    losses, and the probe's share of the run time."""
+    losses, the probe's share of the run time and where the outputs are. A fit with no check
+    (``no_check``: why) is a few lines of text instead of an empty table."""
     from rich.table import Table
+
+    losses = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
+    if not history:
+        lines = [f"GrowUntilSaturated: depth {_fmt(start_depth)} → {_fmt(final_depth)}: no growth check ran",
+                 no_check or "no growth check ran in this fit"]  # fmt: skip
+        if losses:
+            lines.append(f"final: {losses}")
+        return "\n".join(lines + list(outputs or []))
 
     table = Table(title=f"GrowUntilSaturated: depth {_fmt(start_depth)} → {_fmt(final_depth)}", title_justify="left")
     # Only the columns that say something for this run (one screen, 80 columns): the margin when
@@ -172,11 +182,16 @@ def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: in
     why = {None: "growth had not ended when the fit stopped (max_epochs or another callback)",
            "saturated": "certified saturation", "budget": "a growth budget"}.get(finished, str(finished))  # fmt: skip
     lines = [f"stopped growing: {why}" + (f" — {stop_reason}" if stop_reason else "")]
-    losses = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
     if losses:
         lines.append(f"final: {losses}")
     share = probe_seconds / fit_seconds if fit_seconds > 0 else float("nan")
     lines.append(f"probe: {probe_seconds:.1f} s of {fit_seconds:.1f} s ({100 * share:.1f} % of the fit)")
     table.caption = "\n".join(lines)
     table.caption_justify = "left"
-    return table
+    if not outputs:
+        return table
+    from rich.console import Group
+    from rich.text import Text
+
+    # below the table, unwrapped: a path is copied whole from the terminal
+    return Group(table, *(Text(line) for line in outputs))

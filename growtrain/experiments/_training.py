@@ -12,16 +12,21 @@ directory, fresh deep copies of the callbacks, and whatever the experiment overr
 from __future__ import annotations
 
 import copy
+import types
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.callbacks.model_summary import log
+from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from growtrain.callbacks import GammaTracePlot, growth_callbacks
 from growtrain.callbacks._select import as_callback_list
+from growtrain.quiet import quiet_upstream_noise
 
 __all__ = ["BaseGrowTrainer", "sibling_trainer", "evaluate"]
 
@@ -37,10 +42,43 @@ class BaseGrowTrainer(Trainer):
 
     def __init__(self, **kwargs: Any) -> None:
         self.init_kwargs: dict[str, Any] = dict(kwargs)
+        quiet_upstream_noise()
         callbacks = as_callback_list(kwargs.get("callbacks"))
         if growth_callbacks(callbacks) and not any(isinstance(cb, GammaTracePlot) for cb in callbacks):
-            kwargs["callbacks"] = callbacks + [GammaTracePlot()]
+            callbacks = callbacks + [GammaTracePlot()]
+        if kwargs.get("enable_model_summary") is not False and not any(isinstance(cb, ModelSummary) for cb in callbacks):
+            callbacks = callbacks + [SummaryWithoutZeroFlops()]
+        if callbacks:
+            kwargs["callbacks"] = callbacks
         super().__init__(**kwargs)
+        bar = self.progress_bar_callback
+        if bar is not None and "get_metrics" not in vars(bar):
+            bar.get_metrics = types.MethodType(_metrics_without_version, bar)
+
+
+def _metrics_without_version(bar, trainer, pl_module):
+    """The progress bar's metrics without ``v_num`` (the logger's version, not a metric)."""
+    items = type(bar).get_metrics(bar, trainer, pl_module)
+    items.pop("v_num", None)
+    return items
+
+
+class SummaryWithoutZeroFlops(ModelSummary):
+    """Lightning's model summary, without its FLOPs column and "Total Flops" line when it counted
+    none (it counts only with an ``example_input_array``, so they read 0 for every growtrain model)."""
+
+    @staticmethod
+    def summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
+                  total_flops, **summarize_kwargs) -> None:  # fmt: skip
+        if total_flops:
+            return ModelSummary.summarize(summary_data, total_parameters, trainable_parameters, model_size,
+                                          total_training_modes, total_flops, **summarize_kwargs)  # fmt: skip
+        data = [column for column in summary_data if column[0] != "FLOPs"]
+        table = _format_summary_table(total_parameters, trainable_parameters, model_size, total_training_modes, 0, *data)
+        lines = table.splitlines()
+        if lines and lines[-1].rstrip().endswith("Total Flops"):
+            lines = lines[:-1]
+        log.info("\n" + "\n".join(lines))
 
 
 def sibling_trainer(

@@ -129,8 +129,8 @@ def run_measure(
 ) -> MeasureResult:
     """Score every candidate site of ``model`` (loaded from ``ckpt_path`` if given) on the probe split.
 
-    ``rule=None`` resolves as in ``GrowUntilSaturated``: ``"relative"`` (the decision entry
-    points' default), or ``"paper"`` when ``t`` is given. ``projected=True``: V_S is reported.
+    ``rule=None`` resolves as in ``GrowUntilSaturated``: ``"crossfit"`` (the decision entry
+    points' default, ``growtrain.decision.DEFAULT_RULE``), or ``"paper"`` when ``t`` is given. ``projected=True``: V_S is reported.
     """
     if rule is None:  # t is the paper rule's threshold: giving it asks for that rule
         rule = "paper" if t is not None else DEFAULT_RULE

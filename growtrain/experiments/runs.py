@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch import nn
 
+from growtrain.ckpt_file import check_checkpoint_file
 from growtrain.growable import GrowableNetwork, probe_loss_for, replay_growth, resolve_network
 
 __all__ = [
@@ -228,6 +229,7 @@ def load_checkpoint_into(module: LightningModule, ckpt_path: str | os.PathLike) 
     path = Path(ckpt_path)
     if not path.is_file():
         raise FileNotFoundError(f"ckpt_path: no checkpoint file at {str(path)!r}")
+    check_checkpoint_file(path)
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     module.on_load_checkpoint(checkpoint)
     module.load_state_dict(checkpoint["state_dict"])
@@ -295,6 +297,9 @@ class RunLog:
         self.path, self.fingerprint = Path(path), fingerprint
         self.rows: dict[str, dict] = {}
         if self.path.exists() and not resume:
+            rows = sum(1 for line in self.path.read_text().splitlines() if line.strip())
+            warnings.warn(f"output_dir: resume=False discards the {rows} earlier result row(s) in {self.path} (as asked); "
+                          "pass another output_dir to keep them.", UserWarning, stacklevel=2)  # fmt: skip
             self.path.unlink()
         if self.path.exists():
             for number, line in enumerate(self.path.read_text().splitlines(), 1):

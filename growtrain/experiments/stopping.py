@@ -126,8 +126,10 @@ class StoppingResult:
 
 def _scratch_grower(grow: GrowUntilSaturated) -> GrowUntilSaturated:
     """The growth run's final-stage stopping rule with no growth: the same options, ``max_growths=0``."""
-    config = replace(grow.config, max_growths=0, verbose=False)
-    return GrowUntilSaturated(**{name: getattr(config, name) for name in GrowthConfig.names()})
+    # every_n_epochs back to "not given" when a monitor decides (given with one, it is warned about)
+    every = grow.config.every_n_epochs if grow.config.monitor is None else None
+    config = replace(grow.config, max_growths=0, verbose=False, every_n_epochs=every)
+    return GrowUntilSaturated(**{name: getattr(config, name) for name in GrowthConfig.names()} | {"every_n_epochs": every})
 
 
 def run_stopping(

@@ -1,0 +1,120 @@
+"""What ``GrowUntilSaturated`` tells a user who would otherwise wonder what happened (issue 21).
+
+- :func:`no_check_message`: a fit in which no check ran, with the reason (the monitor and its
+  best value, patience, ``min_stage_epochs``) and what to change;
+- :func:`output_lines`: where the fit's outputs are (logs, ``growth_history.json``, the Γ̂
+  trace, checkpoints);
+- :func:`probe_resolution` / :func:`probe_size_message`: whether the probe is large enough for a
+  gain of ``min_gain`` to be detectable at level α, and the smallest size that is.
+
+Nothing here decides anything; the numbers come from the callback's state.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from statistics import NormalDist
+from typing import Any
+
+__all__ = ["no_check_message", "output_lines", "probe_resolution", "probe_size_message", "GAIN_SPREAD"]
+
+# The spread of the per-sample paired loss differences that min_gain's test averages, as a
+# fraction of the probe loss: measured 0.91-1.04 on every judged growth of the Fashion-MNIST
+# stopping runs (docs/results/stopping/runs.jsonl, `se·sqrt(n)/loss_before`). Its test's
+# resolution is z_{1-alpha} · GAIN_SPREAD / sqrt(n) of the probe loss.
+GAIN_SPREAD = 1.0
+
+
+def probe_resolution(n: int, alpha: float, spread: float = GAIN_SPREAD) -> float:
+    """The noise part of the smallest gain ``min_gain``'s test certifies with ``n`` probe samples
+    at level ``alpha``, as a fraction of the probe loss: ``z_{1-alpha} · spread / sqrt(n)``."""
+    return NormalDist().inv_cdf(1.0 - alpha) * spread / math.sqrt(n)
+
+
+def smallest_useful_probe(min_gain: float, alpha: float, spread: float = GAIN_SPREAD) -> int:
+    """The probe size whose resolution equals ``min_gain`` (a gain of 2·min_gain is then certified
+    about half the time)."""
+    return math.ceil((NormalDist().inv_cdf(1.0 - alpha) * spread / min_gain) ** 2)
+
+
+def probe_size_message(n: int, min_gain: float | None, alpha: float) -> str | None:
+    """A warning when a gain of ``min_gain`` is not detectable with ``n`` probe samples at level
+    ``alpha`` (the test's resolution exceeds ``min_gain``); ``None`` when it is, or without ``min_gain``."""
+    if min_gain is None or min_gain <= 0 or n < 2:
+        return None
+    noise = probe_resolution(n, alpha)
+    if noise <= min_gain:
+        return None
+    need = smallest_useful_probe(min_gain, alpha)
+    return (
+        f"probe: with {n} samples a gain of min_gain={min_gain:g} is not detectable at level alpha={alpha:g}: the "
+        f"test's noise is about {100 * noise:.1f} % of the probe loss, so a growth counts only if it lowers the "
+        f"probe loss by more than about {100 * (min_gain + noise):.1f} %. Smallest useful probe: {need:,} samples "
+        "(or a larger min_gain). Why: docs/callback.md, 'Probe size and min_gain'."
+    )
+
+
+def no_check_message(*, monitor: str | None, best: float | None, wait: int, patience: int, mode: str,
+                     min_delta: float, min_rel_delta: float, min_stage_epochs: int, stage_epochs: int,
+                     every_n_epochs: int, epochs: int, waiting: str | None) -> str:  # fmt: skip
+    """Why a fit ended without a single growth check, and what to change."""
+    if epochs == 0:
+        why = "no training epoch ended (a check runs at the end of a training epoch)"
+    elif monitor is not None:
+        if best is None:
+            plateau = f"its best value was never recorded (patience={patience})"
+        else:
+            step = max(min_delta, min_rel_delta * abs(best))
+            plateau = (f"best {best:.4g} ({mode}); a plateau needs patience={patience} epochs in a row without an "
+                       f"improvement larger than max(min_delta, min_rel_delta×|best|) = {step:.3g}, and the last "
+                       f"{wait} epoch(s) had none")  # fmt: skip
+        why = (
+            f"monitor={monitor!r} never plateaued: {plateau}; the current stage is {stage_epochs} epoch(s) long "
+            f"(min_stage_epochs={min_stage_epochs})"
+        )
+    else:
+        why = f"every_n_epochs={every_n_epochs} is more than the {epochs} training epoch(s) of this fit"
+    if waiting:
+        why += f"; at the last epoch: {waiting}"
+    fixes = ["train longer (trainer.max_epochs)"]
+    if monitor is not None:
+        fixes += [f"a smaller patience (now {patience}) or a larger min_rel_delta (now {min_rel_delta:g})",
+                  "monitor=None with every_n_epochs=N to check on a fixed schedule"]  # fmt: skip
+    else:
+        fixes.append("a smaller every_n_epochs")
+    return (
+        f"GrowUntilSaturated: no growth check ran in this fit of {epochs} epoch(s), so the network was not "
+        f"grown or judged and no growth_history.json or gamma_trace.png was written. Why: {why}. "
+        f"Fix: {'; or '.join(fixes)}."
+    )
+
+
+def output_lines(trainer: Any, *, history_path: str | None, history_written: bool) -> list[str]:
+    """Where this fit's outputs are: the log directory (and which files are in it), the growth
+    history and Γ̂ trace, and every checkpoint callback's files. Call on rank 0 with paths
+    computed on every rank (``trainer.log_dir`` is a collective under DDP)."""
+    lines = []
+    folder = os.path.dirname(history_path) if history_path else None
+    if folder:
+        files = []
+        for logger in getattr(trainer, "loggers", []) or []:
+            log_dir = getattr(logger, "log_dir", None)
+            if log_dir and os.path.abspath(log_dir) == os.path.abspath(folder):
+                path = getattr(getattr(logger, "experiment", None), "metrics_file_path", None)
+                if path:
+                    files.append(os.path.basename(path))
+        if history_written:
+            files.append(os.path.basename(history_path))
+            # by name: importing growtrain.callbacks.gamma_plot here would close an import cycle
+            if any("GammaTracePlot" in {c.__name__ for c in type(cb).__mro__} for cb in trainer.callbacks):
+                files.append("gamma_trace.png")
+        if files:
+            lines.append(f"outputs: {folder}{os.sep} ({', '.join(files)})")
+    for cb in getattr(trainer, "checkpoint_callbacks", []) or []:
+        paths = [p for p in (getattr(cb, "best_model_path", ""), getattr(cb, "last_model_path", "")) if p]
+        if paths:
+            where = os.path.dirname(paths[0])
+            names = ", ".join(dict.fromkeys(os.path.basename(p) for p in paths))
+            lines.append(f"checkpoints: {where}{os.sep} ({names})")
+    return lines

@@ -1,0 +1,180 @@
+"""README.md and docs/ agree with the configs and the code on the numbers that drift (issue 21):
+the quickstart's splits, epochs and measured times, ImageDataModule's default splits, the growth
+callback's defaults, the rule ``measure`` uses, and the list of subcommands. Each expected phrase
+is built from its source (the YAML config, a signature, docs/results.md's measurement), so a
+change on one side fails here until the other side follows."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from growtrain import GrowUntilSaturated
+from growtrain.data import ImageDataModule
+from growtrain.decision import DEFAULT_MIN_GAIN, DEFAULT_RULE
+from growtrain.experiments.measure import run_measure
+from growtrain.trainer import EXPERIMENTS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def text(name: str) -> str:
+    """A document with its whitespace collapsed, so line breaks do not matter."""
+    return " ".join((ROOT / name).read_text().split())
+
+
+def embedded_train_size() -> int:
+    with np.load(ROOT / "growtrain" / "data" / "fashion_mnist_mini.npz") as data:
+        return int(data["y_train"].shape[0])
+
+
+QUICKSTART = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+
+
+def quickstart_numbers() -> dict:
+    data = QUICKSTART["data"]["init_args"]
+    grow = next(c["init_args"] for c in QUICKSTART["trainer"]["callbacks"] if c["class_path"].endswith("GrowUntilSaturated"))
+    return {"train": embedded_train_size() - data["probe_size"] - data["val_size"], "probe": data["probe_size"],
+            "val": data["val_size"], "subset": data["train_subset"], "epochs": QUICKSTART["trainer"]["max_epochs"],
+            "anneal": grow["anneal_epochs"], "min_gain": grow["min_gain"]}  # fmt: skip
+
+
+def test_quickstart_splits_and_epochs_agree_with_its_config():
+    q = quickstart_numbers()
+    readme = text("README.md")
+    assert (f"{q['train']} training images after the split, of which it trains on {q['subset']}, plus {q['probe']} "
+            f"probe and {q['val']} validation images") in readme  # fmt: skip
+    assert f"({q['train']} train, {q['probe']} probe, {q['val']} val), trains on {q['subset']} of them" in readme
+    assert f"a {q['anneal']}-epoch anneal" in readme and f"(cap {q['epochs']} epochs)" in readme
+    assert f"`min_gain` {100 * q['min_gain']:g} %" in readme
+    results = text("docs/results.md")
+    assert (f"({q['train']} train images of which it trains on {q['subset']}, {q['probe']} probe, {q['val']} val; "
+            f"`lr_schedule: anneal` with {q['anneal']}-epoch anneals") in results  # fmt: skip
+
+def test_the_python_quickstart_is_the_config():
+    """README's and docs/callback.md's Python example is configs/quickstart.yaml, value for value."""
+    data = QUICKSTART["data"]["init_args"]
+    model = QUICKSTART["model"]["init_args"]
+    sgd = model["optimizer"]["init_args"]
+    grow = next(c["init_args"] for c in QUICKSTART["trainer"]["callbacks"] if c["class_path"].endswith("GrowUntilSaturated"))
+    phrases = [
+        f"L.seed_everything({QUICKSTART['seed_everything']})",
+        f"ImageDataModule(probe_size={data['probe_size']}, val_size={data['val_size']}, train_subset="
+        f"{data['train_subset']}, augment={data['augment']})",
+        f"ImageClassifier(in_channels=1, width={model['width']}, optimizer=lambda params: torch.optim.SGD(params, "
+        f"lr={sgd['lr']}, momentum={sgd['momentum']}, weight_decay={sgd['weight_decay']:.0e}))".replace("e-0", "e-"),
+        f'GrowUntilSaturated(monitor="{grow["monitor"]}", patience={grow["patience"]}, min_rel_delta='
+        f'{grow["min_rel_delta"]}, lr_schedule="{grow["lr_schedule"]}", anneal_epochs={grow["anneal_epochs"]}, '
+        f'max_growths={grow["max_growths"]}, on_saturated="{grow["on_saturated"]}")',
+        f"L.Trainer(max_epochs={QUICKSTART['trainer']['max_epochs']}, callbacks=[grow, GammaTracePlot()])",
+    ]  # fmt: skip
+    assert model["blocks"] == [1, 1, 1] and model["family"] == "basic"  # ImageClassifier's defaults
+    assert sgd["lr"] and QUICKSTART["model"]["init_args"]["optimizer"]["class_path"] == "torch.optim.SGD"
+    assert set(grow) == {"monitor", "patience", "min_rel_delta", "min_stage_epochs", "lr_schedule", "anneal_epochs",
+                         "rule", "min_gain", "alpha", "max_growths", "on_saturated"}  # fmt: skip
+    assert (grow["min_stage_epochs"], grow["rule"], grow["min_gain"], grow["alpha"]) == (2, "crossfit", 0.01, 0.05)
+    for name in ("README.md", "docs/callback.md"):
+        page = text(name).replace("( ", "(")
+        for phrase in phrases:
+            assert phrase in page, (name, phrase)
+
+
+def test_no_page_gives_the_quickstart_other_splits():
+    """A paragraph that names the quickstart config and a probe size names the config's size."""
+    q = quickstart_numbers()
+    for name in ("README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md")))):
+        blocks = (ROOT / name).read_text().split("\n\n")
+        units = [u for b in blocks for u in (b.splitlines() if b.lstrip().startswith("|") else [b])]  # a table row alone
+        for paragraph in units:
+            if "configs/quickstart.yaml" not in paragraph or "earlier quickstart" in paragraph:
+                continue
+            flat = " ".join(paragraph.split())
+            for found in re.findall(r"\bprobe (\d[\d,]*)\b|(\d[\d,]*) probe\b", flat):
+                value = int((found[0] or found[1]).replace(",", ""))
+                assert value == q["probe"], f"{name}: {flat[:200]}"
+
+
+def test_imagedatamodule_default_splits_agree_with_its_signature():
+    params = inspect.signature(ImageDataModule).parameters
+    probe, val = params["probe_size"].default, params["val_size"].default
+    train = embedded_train_size() - probe - val
+    assert f"by default {train} train, {probe} probe, {val} val" in text("README.md")
+    assert f"fashion-mnist-mini with {train:,} train, {probe:,} probe and {val:,} val images" in text("docs/callback.md")
+
+
+def test_measured_quickstart_times_agree_with_docs_results():
+    results = text("docs/results.md")
+    wall = re.search(r"\*\*(\d+ min \d+ s)\*\* wall", results).group(1)
+    fit, probe = re.search(r"fit \*\*([\d.]+) s\*\* \(probe ([\d.]+) s", results).groups()
+    readme = text("README.md")
+    assert f"growtrain fit --config configs/quickstart.yaml # {wall}" in readme  # beside the first command
+    assert f"**Measured: {wall}**" in readme and f"took {wall} of wall time (fit {fit} s, {probe} s of it inside the probe)" in readme
+    share = 100 * float(probe) / float(fit)
+    assert f"measured {fit} s per fit with {probe} s inside the probe (**{share:.1f} %**" in text("docs/callback.md")
+
+
+def _documented_defaults() -> dict[str, str]:
+    """docs/callback.md's Arguments table: argument name → the default as written."""
+    rows = {}
+    for line in (ROOT / "docs" / "callback.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`"):
+            continue
+        names = re.findall(r"`([a-z_]+)`", cells[0])
+        defaults = re.findall(r"`([^`]+)`", cells[1])
+        if len(defaults) == 1 and len(names) > 1:
+            defaults *= len(names)
+        if names and len(names) == len(defaults):
+            rows.update(zip(names, defaults))
+    return rows
+
+
+def _as_written(value) -> str:
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def test_callback_defaults_in_docs_agree_with_the_signature():
+    documented = _documented_defaults()
+    params = inspect.signature(GrowUntilSaturated).parameters
+    assert set(documented) == set(params), set(documented) ^ set(params)
+    for name, param in params.items():
+        assert documented[name] == _as_written(param.default), (name, documented[name], param.default)
+    readme = text("README.md")
+    assert f"`min_gain` (default {100 * DEFAULT_MIN_GAIN:g} %)" in readme
+    assert f"`alpha` (default {params['alpha'].default:g})" in readme
+
+
+def test_measures_documented_rule_is_the_code_default():
+    doc = " ".join(run_measure.__doc__.split())
+    assert f'``rule=None`` resolves as in ``GrowUntilSaturated``: ``"{DEFAULT_RULE}"``' in doc
+
+
+def test_readme_lists_every_subcommand():
+    commands = re.search(r"### Commands(.*?)\n## ", (ROOT / "README.md").read_text(), re.S).group(1)
+    listed = {n for group in re.findall(r"`growtrain ([a-z\\|]+)", commands) for n in group.replace("\\", "").split("|")}
+    assert listed == {"fit", "validate", "test", "predict", *EXPERIMENTS}, listed
+
+
+def test_documented_smallest_useful_probe_is_the_code_s():
+    from growtrain.callbacks.guidance import smallest_useful_probe
+
+    need = smallest_useful_probe(DEFAULT_MIN_GAIN, inspect.signature(GrowUntilSaturated).parameters["alpha"].default)
+    assert f"{need:,} samples for `min_gain={DEFAULT_MIN_GAIN:g}` at α = 0.05" in text("docs/callback.md")
+
+
+def test_the_readmes_python_example_runs(tmp_path, monkeypatch):
+    """The example itself, cut to one short epoch (its API calls are real: a typo fails here)."""
+    code = re.search(r"```python\n(import lightning as L\nimport torch\n.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    short = code.replace("L.Trainer(max_epochs=60,", f"L.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1, "
+                         f"enable_progress_bar=False, logger=False, default_root_dir={str(tmp_path)!r},")  # fmt: skip
+    assert short != code
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    with pytest.warns(UserWarning, match="no growth check ran"):  # one epoch: too short for a plateau, and it says so
+        exec(compile(short, "README.md", "exec"), scope)
+    assert scope["trainer"].state.finished and scope["grow"].history == []

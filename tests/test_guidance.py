@@ -1,0 +1,245 @@
+"""A newcomer never wonders what happened (issue 21): a fit with no check says why, the default
+monitor works on a module that logs nothing, a missing metric is named, every fit says where its
+outputs are, options that do nothing and probes too small to resolve ``min_gain`` are warned about."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Subset
+
+from growtrain import GrowUntilSaturated
+from growtrain.callbacks import GammaTracePlot, guidance, telemetry
+from growtrain.data import ImageDataModule
+from growtrain.module import ImageClassifier
+from tests.test_callback import UserModule, _blobs
+
+
+def _dm(**kw) -> ImageDataModule:
+    args = dict(dataset="synthetic", image_size=8, synthetic_size=200, synthetic_classes=4, probe_size=40,
+                val_size=20, batch_size=32, augment=False)  # fmt: skip
+    return ImageDataModule(**(args | kw))
+
+
+def _trainer(tmp_path, callbacks, max_epochs=2, **kw) -> L.Trainer:
+    args = dict(max_epochs=max_epochs, callbacks=callbacks, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                default_root_dir=tmp_path, accelerator="cpu")  # fmt: skip
+    return L.Trainer(**(args | kw))
+
+
+def _printed(monkeypatch) -> list[str]:
+    out: list[str] = []
+    monkeypatch.setattr(telemetry, "print_renderable", lambda trainer, r, **kw: out.append(_text(r)))
+    return out
+
+
+def _text(renderable) -> str:
+    if isinstance(renderable, str):
+        return renderable
+    import io
+
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    Console(file=buffer, width=300, color_system=None).print(renderable)
+    return buffer.getvalue()
+
+
+# -- a fit with no check says so, with the reason and the fix -----------------------------------------
+def test_a_fit_without_a_check_warns_and_its_summary_says_why(tmp_path, monkeypatch):
+    printed = _printed(monkeypatch)
+    grow = GrowUntilSaturated(patience=5, min_stage_epochs=2, min_gain=None)
+    with pytest.warns(UserWarning, match=r"no growth check ran in this fit of 2 epoch\(s\)") as caught:
+        _trainer(tmp_path, [grow]).fit(ImageClassifier(width=4, in_channels=3, num_classes=4), _dm())
+    message = next(str(w.message) for w in caught if "no growth check ran" in str(w.message))
+    assert "monitor='train_loss' never plateaued: best " in message
+    assert "a plateau needs patience=5 epochs in a row without an improvement larger than" in message
+    assert "(min_stage_epochs=2)" in message
+    assert "no growth_history.json or gamma_trace.png was written" in message
+    assert "Fix: train longer (trainer.max_epochs)" in message and "monitor=None with every_n_epochs" in message
+    assert grow.history == [] and not (tmp_path / "growth_history.json").exists()
+    (summary,) = printed
+    assert "no growth check ran" in summary and "never plateaued" in summary
+    assert "stopped growing" not in summary  # no empty table and no misleading "had not ended"
+
+
+def test_no_check_message_without_a_monitor_names_every_n_epochs():
+    text = guidance.no_check_message(monitor=None, best=None, wait=0, patience=3, mode="min", min_delta=0.0,
+                                     min_rel_delta=0.01, min_stage_epochs=2, stage_epochs=2, every_n_epochs=5,
+                                     epochs=2, waiting="next check in 3 epoch(s)")  # fmt: skip
+    assert "every_n_epochs=5 is more than the 2 training epoch(s)" in text and "next check in 3 epoch(s)" in text
+    assert "a smaller every_n_epochs" in text
+
+
+# -- the default monitor works on any LightningModule --------------------------------------------------
+def test_default_monitor_uses_the_loss_training_step_returns(tmp_path, caplog):
+    """UserModule logs nothing: its returned loss is the default monitor's signal, and checks run."""
+    ds = _blobs()
+    train = DataLoader(Subset(ds, range(0, 160)), batch_size=32, shuffle=True)
+    probe = DataLoader(Subset(ds, range(160, 240)), batch_size=40)
+    L.seed_everything(0)
+    module = UserModule()
+    # min_rel_delta=0.9: an epoch that does not cut the loss by 90 % is no improvement, so a plateau
+    # after patience=1 epoch; the check needs the monitor's value at every epoch end.
+    grow = GrowUntilSaturated(probe=probe, network="trunk", loss_fn=F.cross_entropy, patience=1, min_rel_delta=0.9,
+                              min_stage_epochs=1, max_growths=1, min_gain=None, verbose=False)  # fmt: skip
+    with caplog.at_level("INFO", logger="lightning.pytorch"):  # other tests raise that logger's level
+        _trainer(tmp_path, [grow], max_epochs=3).fit(module, train)
+    assert len(grow.history) >= 1 and grow.history[0]["epoch"] == 1
+    assert "monitoring the epoch mean of the loss training_step returns" in caplog.text
+
+
+def test_returned_loss_mean_is_the_epoch_mean():
+    grow = GrowUntilSaturated(verbose=False)
+    for loss in (1.0, 2.0, 6.0):
+        grow.on_train_batch_end(None, None, {"loss": torch.tensor(loss)}, None, 0)
+    assert float(grow._returned_loss(type("T", (), {"world_size": 1})())) == pytest.approx(3.0)
+    grow.on_train_epoch_start(type("T", (), {})(), None)  # a new epoch starts a new mean
+    assert grow._returned_loss(None) is None
+
+
+def test_a_metric_asked_for_and_never_logged_is_an_error_naming_it(tmp_path):
+    grow = GrowUntilSaturated(monitor="val_loss", verbose=False, min_gain=None)
+    with pytest.raises(RuntimeError) as info:
+        _trainer(tmp_path, [grow], max_epochs=1).fit(ImageClassifier(width=4, in_channels=3, num_classes=4), _dm())
+    text = str(info.value)
+    assert text.startswith("monitor: metric 'val_loss' is not logged; available: [")
+    assert "self.log('val_loss', value, on_epoch=True)" in text and "'train_loss'" not in text.split("Fix:")[1]
+    assert "validation runs every epoch" in text
+
+
+# -- options that would do nothing -----------------------------------------------------------------------
+def test_every_n_epochs_with_a_monitor_warns():
+    with pytest.warns(UserWarning, match=r"every_n_epochs=3 has no effect while monitor='train_loss'.*monitor=None"):
+        GrowUntilSaturated(every_n_epochs=3)
+    with pytest.warns(UserWarning, match=r"every_n_epochs=1 has no effect while monitor='val_loss'"):
+        GrowUntilSaturated(every_n_epochs=1, monitor="val_loss")  # the issue's case: silently ignored before
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert GrowUntilSaturated(every_n_epochs=3, monitor=None).every_n_epochs == 3
+        assert GrowUntilSaturated().every_n_epochs == 1 and GrowUntilSaturated(monitor=None).every_n_epochs == 1
+
+
+# -- a probe too small for min_gain ----------------------------------------------------------------------
+def test_probe_too_small_for_min_gain_is_warned_before_training(tmp_path):
+    steps = []
+    spy = type("Spy", (L.Callback,), {"on_train_batch_start": lambda self, *a: steps.append(1)})()
+    grow = GrowUntilSaturated(monitor=None, min_gain=0.01, alpha=0.05, verbose=False)
+    with pytest.warns(UserWarning, match=r"probe: with 40 samples a gain of min_gain=0.01 is not detectable") as caught:
+        try:
+            _trainer(tmp_path, [grow, spy], max_epochs=1, limit_train_batches=0).fit(
+                ImageClassifier(width=4, in_channels=3, num_classes=4), _dm())
+        except Exception:
+            pass
+    message = next(str(w.message) for w in caught if "not detectable" in str(w.message))
+    need = math.ceil((1.6448536269514722 / 0.01) ** 2)
+    assert f"Smallest useful probe: {need:,} samples" in message
+    assert "noise is about 26.0 % of the probe loss" in message  # z·1/sqrt(40) = 0.26 of the loss
+    assert "more than about 27.0 %" in message  # min_gain + noise
+
+
+def test_probe_size_message_thresholds():
+    need = guidance.smallest_useful_probe(0.1, 0.05)
+    assert need == math.ceil((1.6448536269514722 / 0.1) ** 2) == 271
+    assert guidance.probe_size_message(need, 0.1, 0.05) is None
+    assert "Smallest useful probe: 271" in guidance.probe_size_message(need - 1, 0.1, 0.05)
+    assert guidance.probe_size_message(10, None, 0.05) is None
+
+
+# -- every fit says where its outputs are ----------------------------------------------------------------
+def test_summary_says_where_the_outputs_are(tmp_path, monkeypatch):
+    printed = _printed(monkeypatch)
+    grow = GrowUntilSaturated(monitor=None, min_gain=None, max_growths=0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
+    trainer = _trainer(tmp_path, [grow, ckpt, GammaTracePlot()], max_epochs=1, enable_checkpointing=True,
+                       logger=CSVLogger(tmp_path, name="logs"))  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(ImageClassifier(width=4, in_channels=3, num_classes=4), _dm())
+    summary = printed[-1]  # after the check's table
+    log_dir = trainer.log_dir
+    assert f"outputs: {log_dir}/ (metrics.csv, growth_history.json, gamma_trace.png)" in summary
+    assert f"checkpoints: {tmp_path / 'ckpts'}/" in summary and "last.ckpt" in summary
+    assert (tmp_path / "logs" / "version_0" / "growth_history.json").exists()
+
+
+# -- gamma_trace.png shows what decided ------------------------------------------------------------------
+def _history():
+    gain = lambda score, need, sat: {"rule": "gain", "score": score, "margin": need, "saturated": sat}  # noqa: E731
+    return [
+        {"epoch": 3, "step": 40, "gamma": 0.2, "threshold": 0.6, "lower": 0.05, "margin": 0.0, "rule": "crossfit",
+         "action": "grow", "site": "layer1.1", "sites": ["layer1.1"]},
+        {"epoch": 9, "step": 120, "gamma": 0.15, "threshold": 0.7, "lower": 0.0, "margin": 0.0, "rule": "crossfit",
+         "action": "grow", "site": "layer2.1", "sites": ["layer2.1"], "gain": gain(0.08, 0.006, False)},
+        {"epoch": 15, "step": 200, "gamma": 0.1, "threshold": 0.8, "lower": 0.01, "margin": 0.0, "rule": "crossfit",
+         "action": "saturated", "site": None, "sites": [], "gain": gain(-0.01, 0.005, True)},
+    ]
+
+
+def _points(ax):
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+
+
+def test_gamma_trace_draws_the_deciding_quantities(tmp_path):
+    from growtrain.plots import plot_gamma_trace
+
+    fig = plot_gamma_trace(_history(), tmp_path / "trace.png")
+    first, gain, paper = fig.axes
+    lines = _points(first)
+    # the first check was decided by its lower bound (filled); later ones only report it (hollow)
+    assert lines["best certified lower bound (decided)"] == ([3], [0.05])
+    assert lines["best certified lower bound (reported)"] == ([9, 15], [0.0, 0.01])
+    assert lines["threshold (δ or τ·R): grow above"] == ([3, 9, 15], [0.0, 0.0, 0.0])
+    lines = _points(gain)
+    assert lines["certified gain of the last block"] == ([9, 15], [0.08, -0.01])
+    assert lines["need: min_gain × probe loss (grow above)"] == ([9, 15], [0.006, 0.005])
+    assert _points(paper)[r"$\hat\Gamma$ (paper)"] == ([3, 9, 15], [0.2, 0.15, 0.1])
+    assert all(float(t).is_integer() for t in paper.get_xticks())
+    assert paper.get_xlabel().startswith("epoch")
+    assert (tmp_path / "trace.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gamma_trace_of_one_check_has_whole_epoch_ticks():
+    from growtrain.plots import plot_gamma_trace
+
+    fig = plot_gamma_trace(_history()[:1])
+    assert len(fig.axes) == 2  # no gain panel without a judged growth
+    assert fig.axes[-1].get_xlim() == (2.0, 4.0)
+    assert all(float(t).is_integer() for t in fig.axes[-1].get_xticks())
+
+
+def test_gamma_trace_with_the_paper_rule_draws_gamma_against_delta_plus_t():
+    from growtrain.plots import plot_gamma_trace
+
+    history = [dict(h, rule="paper") for h in _history()[:1]]
+    lines = _points(plot_gamma_trace(history).axes[0])
+    assert lines[r"$\hat\Gamma$ (decided)"] == ([3], [0.2]) and lines[r"$\delta+t$: grow above"] == ([3], [0.6])
+
+
+def test_the_stopping_experiments_scratch_rule_does_not_warn_about_every_n_epochs():
+    from growtrain.experiments.stopping import _scratch_grower
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scratch = _scratch_grower(GrowUntilSaturated(monitor="val_loss", min_gain=None))
+        fixed = _scratch_grower(GrowUntilSaturated(monitor=None, every_n_epochs=3, min_gain=None))
+    assert (scratch.every_n_epochs, scratch.max_growths, fixed.every_n_epochs) == (1, 0, 3)
+
+
+def test_resume_false_says_it_discards_earlier_rows(tmp_path):
+    from growtrain.experiments.runs import RunLog
+
+    log = RunLog(tmp_path / "runs.jsonl", "fp")
+    log.add("a", {"x": 1})
+    log.add("b", {"x": 2})
+    with pytest.warns(UserWarning, match=r"resume=False discards the 2 earlier result row\(s\) in .*runs\.jsonl"):
+        fresh = RunLog(tmp_path / "runs.jsonl", "fp", resume=False)
+    assert fresh.rows == {} and not (tmp_path / "runs.jsonl").exists()
