@@ -127,7 +127,9 @@ def fit_check(args, device, precision: str, root: Path) -> dict:
                          batch_size=32 if args.quick else 128)  # fmt: skip
     module = ImageClassifier(width=width, num_classes=10)
     # monitor=None: a check at the end of every epoch (no plateau wait).
-    options = dict(rule="paper", t=1e-9, max_growths=2, monitor=None, every_n_epochs=1, verbose=False)
+    # restore_best=False: this checks the growth mechanics on the device, so an unpaid block stays
+    options = dict(rule="paper", t=1e-9, max_growths=2, monitor=None, every_n_epochs=1, restore_best=False,
+                   verbose=False)  # fmt: skip
     if "min_stage_epochs" in inspect.signature(GrowUntilSaturated).parameters:
         options["min_stage_epochs"] = 1  # check after every epoch
     grow = GrowUntilSaturated(**options)

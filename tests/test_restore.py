@@ -108,8 +108,9 @@ def test_a_budget_ends_growth_without_judging_or_undoing(tmp_path):
 
 
 def test_a_paid_growth_is_kept(tmp_path):
-    grow, model, _ = fit(tmp_path, min_gain=0.0, max_growths=1)
-    assert grow.history[1]["gain"]["paid"] and "restored" not in grow.history[1] and model.network.depth() == 4
+    grow, model, _ = fit(tmp_path, min_gain=0.0, max_growths=2)
+    assert grow.history[1]["gain"]["paid"] and grow.history[1]["action"] == "grow"
+    assert all("restored" not in h for h in grow.history) and model.network.depth() == 5
 
 
 def test_trial_growth_grows_where_the_first_order_test_does_not_certify(tmp_path):
