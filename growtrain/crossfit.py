@@ -295,21 +295,42 @@ class CrossFitState:
             yield batch if seen + size <= self.n_a else slice_batch(batch, 0, self.n_a - seen)
             seen += size
 
+    def a_count(self, offset: int, size: int) -> int:
+        """How many of the samples ``offset … offset+size−1`` belong to ``A``."""
+        return min(max(self.n_a - offset, 0), size)
+
+    def advance(self, j: int, offset: int, size: int, sum_a: torch.Tensor | None) -> bool:
+        """Site ``j`` saw samples ``offset … offset+size−1``; ``sum_a`` is the sum of their
+        cross-gradients that belong to ``A`` (None when none do). Returns True when this call
+        completed ``A`` (``u`` is then set, all-reduced over ranks with ``sync_fn``)."""
+        if offset != self._seen[j]:
+            raise RuntimeError(f"crossfit: site {j} got samples from offset {offset}, expected {self._seen[j]}")
+        self._seen[j] += size
+        if sum_a is not None:
+            part = sum_a.detach().flatten().double()
+            self._sum_a[j] = part if self._sum_a[j] is None else self._sum_a[j] + part
+        if not self._done_a[j] and offset + size >= self.n_a:
+            self._finish_a(j)
+            return True
+        return False
+
+    def direction(self, j: int) -> torch.Tensor | None:
+        """``u_j`` (float64, flat), or None while ``A`` is incomplete or when ``ĝ_j(A) = 0``."""
+        return self._u[j] if self._defined[j] else None
+
+    def add_scalars(self, j: int, s: torch.Tensor) -> None:
+        """Site ``j``'s per-sample ``ξ_i · u_j`` of samples of ``B``, in loader order."""
+        self._s[j].append(s.detach().double())
+
     def update(self, j: int, xi: torch.Tensor, offset: int) -> None:
         """Site ``j``'s per-sample gradients ``xi: (B, …)`` of samples ``offset … offset+B−1``."""
         xi = xi.detach().flatten(1)  # (B, p)
         size = xi.shape[0]
-        if offset != self._seen[j]:
-            raise RuntimeError(f"crossfit: site {j} got samples from offset {offset}, expected {self._seen[j]}")
-        self._seen[j] += size
-        k = min(max(self.n_a - offset, 0), size)  # how many of this batch belong to A
-        if k > 0:
-            part = xi[:k].sum(0, dtype=torch.float64)  # (p,)
-            self._sum_a[j] = part if self._sum_a[j] is None else self._sum_a[j] + part
-        if not self._done_a[j] and offset + size >= self.n_a:
-            self._finish_a(j)
-        if k < size and self._defined[j]:
-            self._s[j].append((xi[k:] @ self._u[j].to(xi.dtype)).double())  # (B − k,)
+        k = self.a_count(offset, size)
+        self.advance(j, offset, size, xi[:k].sum(0, dtype=torch.float64) if k > 0 else None)
+        u = self.direction(j)
+        if k < size and u is not None:
+            self.add_scalars(j, xi[k:] @ u.to(xi.dtype))  # (B − k,)
 
     def _finish_a(self, j: int) -> None:
         total = self._sum_a[j]

@@ -16,7 +16,7 @@ from torch import nn
 from growtrain.batches import to_device
 from growtrain.growable import Site
 
-__all__ = ["candidate_blocks", "calibrate_candidates"]
+__all__ = ["candidate_blocks", "calibrate_candidates", "cumulative_statistics", "sync_batch_norms"]
 
 
 # -- candidates ----------------------------------------------------------------------------
@@ -166,7 +166,51 @@ def calibrate_candidates(
             bn.momentum = momentum
             bn.train(training)
     if sync_fn is not None:
-        world = float(sync_fn(torch.ones((), device=device, dtype=torch.float64)))
+        sync_batch_norms(bns, sync_fn)
+
+
+def sync_batch_norms(bns: list[nn.modules.batchnorm._BatchNorm], sync_fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Average running statistics over ranks: one all-reduce of every mean and variance and a
+    rank count (``sync_fn`` sums)."""
+    if not bns:
+        return
+    device = bns[0].running_mean.device
+    parts = [t.double().flatten() for bn in bns for t in (bn.running_mean, bn.running_var)]
+    flat = sync_fn(torch.cat(parts + [torch.ones(1, dtype=torch.float64, device=device)]))
+    flat = flat[:-1] / flat[-1]
+    start = 0
+    for bn in bns:
+        for t in (bn.running_mean, bn.running_var):
+            t.copy_(flat[start : start + t.numel()].view_as(t))
+            start += t.numel()
+
+
+@contextmanager
+def cumulative_statistics(blocks: Iterable[nn.Module]):
+    """The ghosts' BatchNorms start from fresh statistics and average every batch they see
+    equally (``momentum=None``, as in ``calibrate_candidates``) while the context lasts; their
+    momentum and mode are restored after."""
+    bns = [bn for b in blocks for bn in batch_norms(b)]
+    saved = [(bn.momentum, bn.training) for bn in bns]
+    for bn in bns:
+        bn.reset_running_stats()
+        bn.momentum = None
+    try:
+        yield
+    finally:
+        for bn, (momentum, training) in zip(bns, saved):
+            bn.momentum = momentum
+            bn.train(training)
+
+
+@contextmanager
+def batch_statistics(bns: list[nn.modules.batchnorm._BatchNorm]):
+    """Only the BatchNorms in train mode (batch statistics, accumulated into the running ones);
+    the rest of the block (e.g. dropout) stays in eval mode."""
+    for bn in bns:
+        bn.train()
+    try:
+        yield
+    finally:
         for bn in bns:
-            bn.running_mean.copy_(sync_fn(bn.running_mean.double()) / world)
-            bn.running_var.copy_(sync_fn(bn.running_var.double()) / world)
+            bn.eval()

@@ -21,31 +21,110 @@ from growtrain.batches import slice_batch as _slice
 from growtrain.batches import to_device as _to_device
 from growtrain.families.base import ChannelAffineFeatures, DenseFeatures
 from growtrain.ghosts import autocast as _autocast
+from growtrain.ghosts import batch_norms, batch_statistics, sync_batch_norms
 from growtrain.ghosts import site_hooks as _site_hooks
 from growtrain.ghosts import split_batch as _split_batch
 from growtrain.growable import Site, terminal_parameters
 
 
 # -- per-site accumulation -----------------------------------------------------------------
-class _SiteAccumulator:
-    """Streamed float64 sums for one site; every field is a sum, so ranks all-reduce them."""
+class SiteAccumulator:
+    """Streamed float64 sums for one site; every field is a sum, so ranks all-reduce them.
 
-    def __init__(self, block: nn.Module, projected: bool):
+    Two ways to the same sums. With ``variance`` (σ̂² needs ``Σ‖ξ_i‖²``) or for a block without
+    a direct form, the per-sample ``ξ_i`` are formed. Otherwise a position-wise linear terminal
+    map (conv or linear: ``DenseFeatures``) never forms them: ``Σ_i ξ_i`` is one batched
+    weight gradient and the cross-fit scalars ``ξ_i · u`` are directional derivatives, one
+    forward of the terminal map with ``u`` as its weight contracted with ``q_i``. Per-sample
+    gradients of a conv are ``B`` kernels per batch; forming them cost more than the rest of
+    the probe (docs/design.md §2).
+
+    ``calibrating``: the ghost's BatchNorm statistics are set during this pass (the cross-fit
+    rules' folded calibration, ``growtrain.ghosts``): on half A the ghost runs in train mode
+    (batch statistics, accumulated into its running statistics), from the A/B boundary on in
+    eval mode with the statistics of A.
+    """
+
+    def __init__(self, block: nn.Module, projected: bool, variance: bool = True, calibrating: bool = False):
         self.block = block
         self.projected = projected
+        self.variance = variance
+        self.bns = batch_norms(block)
+        self.calibrating = calibrating and bool(self.bns)
         self.fast = hasattr(block, "probe_features")
         self.sum_xi: torch.Tensor | None = None  # Σ ξ_i
         # Scalar sums start as Python floats' tensors on the first update's device (CUDA or CPU):
         # a CPU accumulator added to CUDA norms crashed the first check on a GPU.
-        self.sum_sq: torch.Tensor | float = 0.0  # Σ ‖ξ_i‖²
+        self.sum_sq: torch.Tensor | float = 0.0  # Σ ‖ξ_i‖² (only with variance)
         self.sum_q_sq: torch.Tensor | float = 0.0  # Σ ‖q_i‖²
         self.sum_batch_norm: torch.Tensor | float = 0.0  # Σ_b ‖∇_H L_b‖
         self.gram: torch.Tensor | None = None  # Σ J_iᵀ J_i in the kind's compact form
         self.kind = None
+        self.per_sample_formed = False  # did any batch form per-sample ξ_i (tests read it)
 
-    def features(self, z: torch.Tensor):
-        """What the forward pass keeps for this site (no graph)."""
+    def features(self, z: torch.Tensor, train: bool = False):
+        """What the forward pass keeps for this site (no graph).
+
+        ``train`` (half A of a folded calibration): the ghost's BatchNorms accumulate this
+        part's statistics. A block whose feature form runs its BatchNorms
+        (``probe_features_calibrates = True``: preact, basic) does it in the same computation,
+        and its features use the batch statistics; any other block runs once in train mode
+        first, and its features use the statistics accumulated so far.
+        """
+        if not (train and self.bns):
+            return self.block.probe_features(z) if self.fast else z
+        if self.fast and getattr(self.block, "probe_features_calibrates", False):
+            with batch_statistics(self.bns):
+                return self.block.probe_features(z)
+        with batch_statistics(self.bns):
+            self.block(z)
         return self.block.probe_features(z) if self.fast else z
+
+    def part(self, feats, q: torch.Tensor):
+        """``(Σ_i ξ_i, scalars)`` over the samples of ``feats`` and ``q``: the sum in the kind's
+        shape, and ``scalars(u)`` → per-sample ``ξ_i · u`` (``u`` flat, float64)."""
+        if isinstance(feats, DenseFeatures) and not self.variance:
+            return self._dense_part(feats, q)
+        xi = self.per_sample(feats, q)
+        self.per_sample_formed = True
+        if self.variance:
+            # Σ_i ‖ξ_i‖² is the squared norm of the whole (B, …) tensor: no per-sample temporaries.
+            self.sum_sq = self.sum_sq + torch.linalg.vector_norm(xi).double().pow(2)
+        return xi.sum(0), lambda u: xi.flatten(1) @ u.to(xi.dtype)
+
+    def _dense_part(self, feats: DenseFeatures, q: torch.Tensor):
+        """``DenseFeatures`` without per-sample gradients (see the class docstring)."""
+        self.kind = "dense"
+        if feats.conv is not None:
+            kernel, dilation, padding, stride = feats.conv
+            phi = feats.phi.to(q.dtype)  # (B, C, H, W)
+            if self.projected:
+                self._add_gram(pm.dense_gram(feats.patches().to(q.dtype)))
+            n_out, c_in = q.shape[1], phi.shape[1]
+            shape = (n_out, c_in, *kernel)
+            total = torch.nn.grad.conv2d_weight(phi, shape, q, stride, padding, dilation).reshape(n_out, -1)
+            if feats.bias:
+                total = torch.cat([total, q.sum((0, 2, 3)).unsqueeze(-1)], dim=-1)
+
+            def scalars(u):
+                u = u.to(q.dtype).reshape(n_out, -1)
+                weight = u[:, : c_in * kernel[0] * kernel[1]].reshape(shape)
+                out = torch.nn.functional.conv2d(phi, weight, None, stride, padding, dilation)  # (B, N, H', W')
+                s = (out * q).sum((1, 2, 3))
+                return s + q.sum((2, 3)) @ u[:, -1] if feats.bias else s
+
+            return total, scalars
+        patches = feats.patches().to(q.dtype)  # (B, P, K)
+        qq = q.unsqueeze(1) if q.dim() == 2 else q  # (B, P, N)
+        if self.projected:
+            self._add_gram(pm.dense_gram(patches))
+        total = qq.reshape(-1, qq.shape[-1]).T @ patches.reshape(-1, patches.shape[-1])  # (N, K)
+
+        def scalars(u):
+            u = u.to(q.dtype).reshape(total.shape)
+            return ((patches @ u.T) * qq).sum((1, 2))
+
+        return total, scalars
 
     def per_sample(self, feats, q: torch.Tensor) -> torch.Tensor:
         """Per-sample cross-gradients ``ξ_i``, and the Gram increment when asked."""
@@ -85,18 +164,48 @@ class _SiteAccumulator:
         gram = gram.double()
         self.gram = gram if self.gram is None else self.gram + gram
 
-    def update(self, feats, q: torch.Tensor, batch_grad: torch.Tensor) -> torch.Tensor:
-        xi = self.per_sample(feats, q)
-        s = xi.sum(0).double()
+    def update(self, z: torch.Tensor, q: torch.Tensor, batch_grad: torch.Tensor, autocast, crossfit=None,
+               j: int = 0, offset: int = 0, sync_fn=None) -> None:  # fmt: skip
+        """One batch: activations ``z`` and per-sample activation gradients ``q`` at the site.
+
+        With ``crossfit`` the batch is cut at the A/B boundary: the part in ``A`` adds to
+        ``Σ_A ξ`` (and, when calibrating, to the ghost's statistics), the part in ``B`` gives
+        the scalars ``ξ_i · u``, once ``A`` is complete.
+        """
+        size = q.shape[0]
+        k = size if crossfit is None else crossfit.a_count(offset, size)
+        total = None
+        sum_a = None
+        if k > 0:
+            with autocast():
+                feats = self.features(z[:k] if k < size else z, train=self.calibrating)
+            sum_a, _ = self.part(feats, q[:k] if k < size else q)
+            total = sum_a
+        if crossfit is not None:
+            if crossfit.advance(j, offset, size, sum_a if k > 0 else None) and self.calibrating:
+                self.end_calibration(sync_fn)
+            if k < size:
+                with autocast():
+                    feats = self.features(z[k:] if k > 0 else z)
+                sum_b, scalars = self.part(feats, q[k:] if k > 0 else q)
+                total = sum_b if total is None else total + sum_b
+                u = crossfit.direction(j)
+                if u is not None:
+                    crossfit.add_scalars(j, scalars(u))
+        s = total.double()
         self.sum_xi = s if self.sum_xi is None else self.sum_xi + s
-        # Σ_i ‖ξ_i‖² is the squared norm of the whole (B, …) tensor: no per-sample temporaries.
-        self.sum_sq = self.sum_sq + torch.linalg.vector_norm(xi).double().pow(2)
         self.sum_q_sq = self.sum_q_sq + torch.linalg.vector_norm(q).double().pow(2)
         self.sum_batch_norm = self.sum_batch_norm + torch.linalg.vector_norm(batch_grad).double()
-        return xi
+
+    def end_calibration(self, sync_fn=None) -> None:
+        """Half A is done: the ghost's BatchNorm statistics are final (averaged over ranks with
+        ``sync_fn``, in site order on every rank, right after the site's ``u``)."""
+        self.calibrating = False
+        if sync_fn is not None:
+            sync_batch_norms(self.bns, sync_fn)
 
     def tensors(self) -> list[torch.Tensor]:
-        out = [self.sum_xi, self.sum_sq, self.sum_q_sq, self.sum_batch_norm]
+        out = [self.sum_xi, torch.as_tensor(self.sum_sq), self.sum_q_sq, self.sum_batch_norm]
         return out + ([self.gram] if self.gram is not None else [])
 
     def load(self, tensors: list[torch.Tensor]) -> None:
@@ -176,15 +285,18 @@ def _generic_per_sample(block: nn.Module, z: torch.Tensor, q: torch.Tensor, with
 
 
 def probe_pass(network, sites, candidates, loader, loss_fn, device, projected, autocast_dtype, crossfit, reference,
-                sample_losses=None):  # fmt: skip
+               sample_losses=None, variance=True, calibrating=False, sync_fn=None):  # fmt: skip
     """Stream the probe batches; per batch one forward and one backward score every site.
 
     The forward keeps only a reference to each site's activation ``z`` (autograd saves it for
     the next block anyway); the features ``φ(z)`` are computed in a gradient hook on ``z``,
     the moment ``q`` arrives, and dropped after the site's sums are updated — so no site's
     features wait in memory for the whole backward pass.
+
+    ``calibrating`` (cross-fit rules only): the ghosts' BatchNorm statistics are set on half A
+    in this pass (``SiteAccumulator``), not in a pass of their own.
     """
-    accs = [_SiteAccumulator(candidates[s.name], projected) for s in sites]
+    accs = [SiteAccumulator(candidates[s.name], projected, variance, calibrating) for s in sites]
     activations: list = [None] * len(sites)
     scored = [False] * len(sites)
     batch = {"index": 0, "size": 0, "offset": 0}
@@ -197,12 +309,9 @@ def probe_pass(network, sites, candidates, loader, loss_fn, device, projected, a
                     f"probe batch {batch['index']}: non-finite activation gradient at site {sites[j].name}; "
                     "no decision was made"
                 )
-            with _autocast(device, autocast_dtype):
-                feats = accs[j].features(z.detach())
             q = grad * batch["size"]  # per-sample activation gradients (the loss is a batch mean)
-            xi = accs[j].update(feats, q, grad)
-            if crossfit is not None:
-                crossfit.update(j, xi, batch["offset"])
+            accs[j].update(z.detach(), q, grad, lambda: _autocast(device, autocast_dtype), crossfit, j,
+                           batch["offset"], sync_fn)  # fmt: skip
         scored[j] = True
 
     def capture(j, z):

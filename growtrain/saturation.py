@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from growtrain import decision as dec
-from growtrain.ghosts import calibrate_candidates, candidate_blocks, frozen, restore_modes, save_modes
+from growtrain.ghosts import calibrate_candidates, candidate_blocks, cumulative_statistics, frozen, restore_modes, save_modes
 from growtrain.growable import terminal_parameters
 from growtrain.probe_pass import ReferenceAccumulator, all_reduce, probe_pass
 from growtrain.saturation_report import SaturationReport, SiteRecord, build_report
@@ -91,6 +91,7 @@ def measure_saturation(
     crossfit_bound: str = "normal",
     probe_size: int | None = None,
     sample_losses: list | None = None,
+    variance: bool | None = None,
 ) -> SaturationReport:
     """Score every candidate site of ``network`` on an independent probe sample.
 
@@ -110,7 +111,11 @@ def measure_saturation(
             this pass can compute is reported in ``report.verdicts``.
         tau: ``rule="relative"`` only: the relative threshold ``τ > 0``.
         candidates: site name → candidate block (``V = 0``); fresh ones from ``seed`` if None.
-        calibrate: set the candidates' BatchNorm statistics on the probe inputs first.
+        calibrate: set the candidates' BatchNorm statistics on the probe inputs: under the
+            paper's rule in a forward pass over the whole probe first; under the cross-fit rules
+            on half A *within* the probe pass (no pass of its own: on A a ghost's features use
+            batch statistics, which it accumulates; B is scored with A's statistics, so given A
+            the scored ghost and ``u`` are fixed and B is fresh data, as the bound needs).
         autocast_dtype: e.g. ``torch.bfloat16`` to run the network under autocast.
         sync_fn: sums a tensor over ranks (DDP); every rank then reaches the same decision.
         select: rank sites by ``"grad_norm"`` (the paper's Γ̂) or ``"projected"`` (paper rule;
@@ -122,6 +127,12 @@ def measure_saturation(
         sample_losses: a list that receives, per probe batch in loader order, each sample's term
             of the loss (float64, on the network's device) of the network as it is — the ghosts output zero — from the
             pass's own forward (``GrowUntilSaturated``'s ``min_gain`` reads it: no extra pass).
+        variance: compute ``σ̂²`` per site (``Σ‖ξ_i‖²`` needs every per-sample gradient), and
+            with it the paper rule's ``t``, threshold, error bound and verdict. Default: only
+            under ``rule="paper"``, which decides by it. Without it, conv and linear terminal
+            maps never form per-sample gradients (``ĝ`` is a batched weight gradient, the
+            cross-fit scalars directional derivatives), and ``variance``, ``t``, the
+            threshold and the error bound are None.
     """
     _check_arguments(network, delta, alpha, t, rule)
     _check_one_device(network)
@@ -143,6 +154,10 @@ def measure_saturation(
             raise ValueError(f"candidates: the block for {s.name} is not zero-output (terminal map ≠ 0)")
         block.eval()
 
+    if variance is None:
+        variance = rule == "paper"
+    elif rule == "paper" and not variance:
+        raise ValueError("variance: the paper's rule decides by σ̂² (its t); pass variance=True or rule='crossfit'")
     crossfit = None
     if rule in ("crossfit", "relative"):
         from growtrain.crossfit import CrossFitState
@@ -154,17 +169,17 @@ def measure_saturation(
     device = network.neighbour_tensor(sites[0]).device
     modes = save_modes(network)
     with torch.inference_mode(False), torch.enable_grad():
-        if calibrate:
-            # crossfit: calibrate on half A only, so that B stays fresh data given A
-            calibration = probe_loader if crossfit is None else crossfit.first_half(probe_loader)
-            calibrate_candidates(network, candidates, calibration, autocast_dtype=autocast_dtype, sync_fn=sync_fn)
+        # cross-fit rules: calibrate on half A only (B stays fresh data given A), folded into the pass
+        fold = calibrate and crossfit is not None
+        if calibrate and not fold:
+            calibrate_candidates(network, candidates, probe_loader, autocast_dtype=autocast_dtype, sync_fn=sync_fn)
         network.eval()
         try:
-            with frozen(network):
+            with frozen(network), cumulative_statistics([candidates[s.name] for s in sites] if fold else []):
                 reference = ReferenceAccumulator(network, sites) if rule == "relative" else None
                 accs, n, batches = probe_pass(
                     network, sites, candidates, probe_loader, loss_fn, device, projected, autocast_dtype, crossfit,
-                    reference, sample_losses,
+                    reference, sample_losses, variance, fold, sync_fn,
                 )
         finally:
             restore_modes(modes)
@@ -173,4 +188,4 @@ def measure_saturation(
         n, batches = all_reduce(accs, n, batches, sync_fn, device, reference)
     if n < 2:
         raise ValueError(f"probe_loader: the probe sample has {n} sample(s); at least 2 are needed for σ̂²")
-    return build_report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfit, reference, tau)
+    return build_report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfit, reference, tau, variance)

@@ -26,7 +26,7 @@ class SiteRecord:
     site: Site
     block: nn.Module
     grad_norm: float
-    variance: float
+    variance: float | None  # σ̂²; None when the pass was run without variance=True
     ag: float
     ag_batch: float
     projected: float | None
@@ -61,14 +61,14 @@ class SiteRecord:
 class SaturationReport:
     sites: list[SiteRecord]
     gamma: float  # Γ̂_n = max_l ‖ĝ_l‖₂
-    t: float
-    threshold: float  # δ + t
+    t: float | None  # None without σ̂² (a cross-fit pass run without variance=True)
+    threshold: float | None  # δ + t
     delta: float
     alpha: float
     n: int
     saturated: bool
     best_site: str | None  # the site growth would use (None when saturated)
-    error_bound: float  # Σ_l σ̂²_l / (n t²)
+    error_bound: float | None  # Σ_l σ̂²_l / (n t²)
     rule: str = "paper"  # the rule that made ``saturated``/``best_site``/``reason``
     reason: str = ""
     extra: dict = field(default_factory=dict)  # rule-specific figures (e.g. crossfit levels)
@@ -138,19 +138,23 @@ class SaturationReport:
         return self.table()
 
 
-def build_report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfit, reference, tau) -> SaturationReport:
-    """Per-site records, every verdict this pass can compute, and the one ``rule`` makes."""
+def build_report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfit, reference, tau,
+                 variance=True) -> SaturationReport:  # fmt: skip
+    """Per-site records, every verdict this pass can compute, and the one ``rule`` makes.
+
+    Without ``variance`` the pass kept no ``Σ‖ξ_i‖²``: σ̂², the paper's ``t`` (unless given),
+    threshold and error bound are None, and there is no paper verdict."""
     records = []
     for site, acc in zip(sites, accs):
         grad = acc.sum_xi.cpu() / n
         grad_norm = float(grad.norm())
-        variance = pm.sample_variance(float(acc.sum_sq), float(acc.sum_xi.pow(2).sum()), n)
+        sigma_sq = pm.sample_variance(float(acc.sum_sq), float(acc.sum_xi.pow(2).sum()), n) if variance else None
         records.append(
             SiteRecord(
                 site=site,
                 block=acc.block,
                 grad_norm=grad_norm,
-                variance=variance,
+                variance=sigma_sq,
                 ag=math.sqrt(float(acc.sum_q_sq) / n),
                 ag_batch=float(acc.sum_batch_norm) / batches,
                 projected=acc.projected_value(n),
@@ -158,11 +162,11 @@ def build_report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfi
             )
         )
     gamma = max(r.grad_norm for r in records)
-    total_variance = sum(r.variance for r in records)
+    total_variance = sum(r.variance for r in records) if variance else None
     if t is None:
-        t = pm.chebyshev_t(total_variance, n, alpha)
+        t = pm.chebyshev_t(total_variance, n, alpha) if variance else None
     key = (lambda r: r.projected) if select == "projected" else (lambda r: r.grad_norm)
-    verdicts = {"paper": dec.paper_verdict(gamma, max(records, key=key).name, delta, t)}
+    verdicts = {"paper": dec.paper_verdict(gamma, max(records, key=key).name, delta, t)} if variance else {}
     extra: dict = {}
     ref_value = None
     if crossfit is not None:
@@ -177,8 +181,9 @@ def build_report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfi
         extra = {
             "level": info["level"], "bound_kind": info["bound_kind"], "n_a": info["n_a"], "n_b": info["n_b"],
             "max_lower": lowers[best], "lower_site": names[best],
-            "paper_decision": "saturated" if verdicts["paper"].saturated else "grow",
         }  # fmt: skip
+        if "paper" in verdicts:
+            extra["paper_decision"] = "saturated" if verdicts["paper"].saturated else "grow"
         if reference is not None:
             ref_value, per_block = reference.value()
             verdicts["relative"] = dec.relative_verdict(lowers, names, ref_value, tau, delta, info["level"])
@@ -190,13 +195,13 @@ def build_report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfi
         sites=records,
         gamma=gamma,
         t=t,
-        threshold=delta + t,
+        threshold=None if t is None else delta + t,
         delta=delta,
         alpha=alpha,
         n=n,
         saturated=chosen.saturated,
         best_site=chosen.site,
-        error_bound=pm.chebyshev_bound(total_variance, n, t),
+        error_bound=pm.chebyshev_bound(total_variance, n, t) if variance else None,
         rule=rule,
         reason=reason,
         extra=extra,
