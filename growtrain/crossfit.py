@@ -413,16 +413,3 @@ class CrossFitState:
             "lower_site": best_name,
             "paper_decision": paper,
         }
-
-
-_MOVED_TO_BENCH = ("debiased_norm_sq", "trace_sq_estimate", "chen_qin_z", "chen_qin_test", "ChenQin", "TRACE_METHODS")
-
-
-def __getattr__(name: str):
-    # The Chen–Qin test left the library (nothing in it used the test); say where it went.
-    if name in _MOVED_TO_BENCH:
-        raise AttributeError(
-            f"growtrain.crossfit.{name} moved to bench/chen_qin.py in the source repository (a benchmark of "
-            "bench/power.py, not part of the library): copy that file or run from a checkout"
-        )
-    raise AttributeError(f"module 'growtrain.crossfit' has no attribute {name!r}")
