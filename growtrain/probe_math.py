@@ -66,6 +66,76 @@ def conv_patches(phi: torch.Tensor, kernel: tuple[int, int], padding: tuple[int,
     return torch.stack(cols, dim=2).reshape(b, c * kh * kw, ho * wo).transpose(1, 2)
 
 
+def conv_gram(phi: torch.Tensor, kernel: tuple[int, int], padding: tuple[int, int], bias: bool = False) -> torch.Tensor:
+    """``dense_gram(conv_patches(phi, kernel, padding))`` for a stride-1 "same" conv
+    (``k = 2p + 1``), without forming the patches, in about a sixth of the multiply-adds.
+
+    ``A[(c,s),(c',s')] = Σ_i Σ_y φp_i[c, y+s] φp_i[c', y+s']`` (``φp`` zero-padded, ``y`` over
+    the output grid) depends on the shifts through the lag ``d = s' − s`` except near the
+    border: it is the full-image lag sum ``L_d = Σ_x φp[x] φp[x+d]ᵀ`` minus the interior
+    positions ``x`` that ``y + s`` never reaches (at most ``p`` rows and columns at one edge).
+    In the channels-last, zero-padded image flattened over (sample, row, column), a 2-D lag is
+    one 1-D offset ``d_r·W_p + d_c``, and every position it carries past an edge lands in the
+    zero padding (the padding is ``(k−1)/2`` wide), so ``L_d`` is one matmul of two shifted
+    views: ``(2k_h−1)(2k_w−1)/2`` lag products instead of ``(k_h k_w)²`` blocks, and no
+    ``k²``-fold copy of ``φ``. ``bias``: append the ones column's row and column, as
+    ``DenseFeatures(bias=True).patches()`` does.
+    """
+    b, c, h, w = phi.shape
+    (kh, kw), (ph, pw) = kernel, padding
+    if kh != 2 * ph + 1 or kw != 2 * pw + 1:
+        raise ValueError(f"conv_gram: needs a 'same' conv (kernel = 2·padding + 1), got kernel {kernel}, padding {padding}")
+    hp, wp = h + 2 * ph, w + 2 * pw
+    edge = (kh - 1) * wp + (kw - 1)  # the largest |offset|: zero rows at both ends keep every shift in range
+    x = torch.nn.functional.pad(phi, (pw, pw, ph, ph)).permute(0, 2, 3, 1).reshape(b * hp * wp, c)
+    x = torch.nn.functional.pad(x, (0, 0, edge, edge))
+    m = x.shape[0]
+    lags: dict[int, torch.Tensor] = {}
+
+    def lag(o: int) -> torch.Tensor:
+        if o < 0:
+            return lag(-o).T
+        if o not in lags:
+            lags[o] = x[: m - o].T @ x[o:]
+        return lags[o]
+
+    # interior positions (padded coordinates) that y + s misses, as flat indices into x
+    rows = torch.arange(ph, ph + h, device=phi.device)
+    cols = torch.arange(pw, pw + w, device=phi.device)
+    base = torch.arange(b, device=phi.device) * (hp * wp) + edge
+
+    def missed(a: int, bb: int) -> torch.Tensor:
+        row_out = (rows < a) | (rows >= a + h)  # rectangle rows [a, a + H) vs interior [ph, ph + H)
+        col_out = (cols < bb) | (cols >= bb + w)
+        mask = row_out[:, None] | col_out[None, :]
+        yx = (rows[:, None] * wp + cols[None, :])[mask]  # (k,)
+        return (base[:, None] + yx[None, :]).reshape(-1)
+
+    shifts = [(a, bb) for a in range(kh) for bb in range(kw)]
+    s_count = len(shifts)
+    missed_idx = [missed(a, bb) for a, bb in shifts]
+    gram = x.new_empty(c, s_count, c, s_count)
+    for i, (a, bb) in enumerate(shifts):
+        left = x[missed_idx[i]] if missed_idx[i].numel() else None
+        for j in range(i, s_count):
+            a2, b2 = shifts[j]
+            o = (a2 - a) * wp + (b2 - bb)
+            block = lag(o)
+            if left is not None:
+                block = block - left.T @ x[missed_idx[i] + o]
+            gram[:, i, :, j] = block
+            if j != i:
+                gram[:, j, :, i] = block.T
+    gram = gram.reshape(c * s_count, c * s_count)
+    if not bias:
+        return gram
+    total = x.sum(0)
+    sums = torch.stack([total - (x[idx].sum(0) if idx.numel() else 0) for idx in missed_idx], dim=1)  # (C, S)
+    count = x.new_full((1, 1), float(b * h * w))
+    top = torch.cat([gram, sums.reshape(-1, 1)], dim=1)
+    return torch.cat([top, torch.cat([sums.reshape(1, -1), count], dim=1)], dim=0)
+
+
 def dense_gram(patches: torch.Tensor) -> torch.Tensor:
     """``Σ_i Σ_pos φ φᵀ`` over a batch: ``(K, K)`` (divide by ``n`` for ``A``)."""
     flat = patches.reshape(-1, patches.shape[-1])  # (B·P, K)

@@ -99,7 +99,7 @@ class SiteAccumulator:
             kernel, dilation, padding, stride = feats.conv
             phi = feats.phi.to(q.dtype)  # (B, C, H, W)
             if self.projected:
-                self._add_gram(pm.dense_gram(feats.patches().to(q.dtype)))
+                self._add_gram(_conv_gram(feats, q.dtype))
             n_out, c_in = q.shape[1], phi.shape[1]
             shape = (n_out, c_in, *kernel)
             total = torch.nn.grad.conv2d_weight(phi, shape, q, stride, padding, dilation).reshape(n_out, -1)
@@ -133,7 +133,7 @@ class SiteAccumulator:
             if feats.simple_conv:
                 phi = feats.phi.to(q.dtype)
                 if self.projected:
-                    self._add_gram(pm.dense_gram(feats.patches().to(q.dtype)))
+                    self._add_gram(_conv_gram(feats, q.dtype))
                 xi = pm.conv_cross_gradients(phi, q, feats.conv[2])  # (B, N, C·k²)
                 if feats.bias:
                     xi = torch.cat([xi, q.sum((2, 3)).unsqueeze(-1)], dim=-1)
@@ -237,6 +237,16 @@ class SiteAccumulator:
             out.append(flat[start : start + p.numel()].reshape(p.shape).to(p.dtype))
             start += p.numel()
         return out
+
+
+def _conv_gram(feats: DenseFeatures, dtype: torch.dtype) -> torch.Tensor:
+    """``Σ_i Σ_pos φ φᵀ`` of a conv's patches: without forming them for a stride-1 "same" conv
+    (``probe_math.conv_gram``, measured 2–5× faster at width 16), else from the patches."""
+    kernel, dilation, padding, stride = feats.conv
+    same = all(k == 2 * p + 1 for k, p in zip(kernel, padding)) if isinstance(padding, tuple) else False
+    if feats.simple_conv and same:
+        return pm.conv_gram(feats.phi.to(dtype), kernel, padding, bias=feats.bias)
+    return pm.dense_gram(feats.patches().to(dtype))
 
 
 GENERIC_GRAM_LIMIT = 4096

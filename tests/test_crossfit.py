@@ -604,7 +604,7 @@ def test_directional_derivatives_equal_the_per_sample_gradient_path(kind):
     """The cross-fit bound from directional derivatives (variance=False: ``Σ ξ`` as one batched
     weight gradient, ``ξ_i·u`` as a forward of the terminal map with ``u`` as its weight) equals
     the bound from per-sample gradients (variance=True) to float tolerance, as do ĝ and AG; and
-    the directional path forms no per-sample gradient. ``strided``: a conv terminal map with
+    the directional path forms no per-sample gradient; V_S (projected=True) agrees too. ``strided``: a conv terminal map with
     stride 2 and dilation 2 (the patches path of the per-sample code)."""
     from helpers import loss_fn, make_net, probe_batches
 
@@ -643,7 +643,7 @@ def test_directional_derivatives_equal_the_per_sample_gradient_path(kind):
         probe_pass_module.SiteAccumulator.update = spy
         try:
             reports[variance] = measure_saturation(net, batches, loss, rule="crossfit", candidates=copy.deepcopy(cands),
-                                                   variance=variance, projected=False, calibrate=False)  # fmt: skip
+                                                   variance=variance, projected=True, calibrate=False)  # fmt: skip
         finally:
             probe_pass_module.SiteAccumulator.update = real_update
         formed[variance] = any(seen)
@@ -653,6 +653,7 @@ def test_directional_derivatives_equal_the_per_sample_gradient_path(kind):
         assert a.lower == pytest.approx(b.lower, rel=1e-9, abs=1e-12), a.name
         assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-9), a.name
         assert a.ag == pytest.approx(b.ag, rel=1e-12), a.name
+        assert a.projected == pytest.approx(b.projected, rel=1e-9), a.name  # V_S's Gram in both paths
         assert all(torch.allclose(g, h, rtol=1e-9, atol=1e-14) for g, h in zip(a.grad, b.grad))
 
 

@@ -123,6 +123,26 @@ def test_projected_matches_brute_force_pinv(kind):
         assert r.realisability == pytest.approx(r.projected / r.ag)
 
 
+@pytest.mark.parametrize("shape, kernel, padding", [
+    ((3, 2, 5, 4), (3, 3), (1, 1)), ((2, 3, 6, 6), (5, 5), (2, 2)), ((2, 2, 4, 5), (3, 1), (1, 0)),
+    ((2, 3, 4, 4), (1, 1), (0, 0)), ((4, 5, 8, 8), (3, 3), (1, 1)),
+])  # fmt: skip
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv_gram_equals_the_gram_of_unfolded_patches(shape, kernel, padding, bias):
+    """The patch-free Gram (lag sums minus the border each shift misses) against F.unfold."""
+    from growtrain.probe_math import conv_gram
+
+    phi = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(sum(shape)))
+    patches = F.unfold(phi, kernel, padding=padding).transpose(1, 2)  # (B, P, C·k²), unfold's order
+    if bias:
+        patches = torch.cat([patches, patches.new_ones(patches.shape[:-1] + (1,))], dim=-1)
+    flat = patches.reshape(-1, patches.shape[-1])
+    assert torch.allclose(conv_gram(phi, kernel, padding, bias=bias), flat.T @ flat, rtol=1e-12, atol=1e-12)
+    if kernel != (1, 1):
+        with pytest.raises(ValueError, match="same"):
+            conv_gram(phi, kernel, (0, 0))
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_projected_never_exceeds_ag(kind, seed):
     net = H.make_net(kind, seed=seed, blocks=(2, 1, 1))
