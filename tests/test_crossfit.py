@@ -724,6 +724,45 @@ def test_ddp_two_ranks_match_union_of_per_rank_halves():
         assert record.lower == pytest.approx(expected, rel=1e-9)
 
 
+def test_ddp_folded_calibration_equals_one_process_on_the_same_halves():
+    """Two ranks as threads, preact ghosts with BatchNorms calibrated inside the pass: at each
+    site's A/B boundary the ranks average their statistics (one all-reduce), so the bounds and
+    statistics equal one process that sees rank 0's A, rank 1's A, rank 0's B, rank 1's B."""
+    from helpers import loss_fn, make_net, probe_batches
+
+    net = make_net("preact")
+    data = [probe_batches("preact", n=16, batch=8, seed=20 + r) for r in range(2)]  # per rank: A = batch 0
+    cands = candidate_blocks(net, seed=0)
+    sync = ThreadSum(2)
+    reports, errors = [None, None], []
+    nets = [copy.deepcopy(net) for _ in range(2)]
+    rank_cands = [copy.deepcopy(cands) for _ in range(2)]
+
+    def run(rank):
+        try:
+            reports[rank] = measure_saturation(nets[rank], data[rank], loss_fn, rule="crossfit", candidates=rank_cands[rank],
+                                               projected=False, sync_fn=sync.for_rank(rank))  # fmt: skip
+        except Exception as exc:  # pragma: no cover - surfaced below
+            errors.append(exc)
+            sync.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    one = copy.deepcopy(cands)
+    single = measure_saturation(net, [data[0][0], data[1][0], data[0][1], data[1][1]], loss_fn, rule="crossfit",
+                                candidates=one, projected=False)  # fmt: skip
+    for r0, r1, s1 in zip(reports[0].sites, reports[1].sites, single.sites):
+        assert r0.lower == r1.lower and r0.lower == pytest.approx(s1.lower, rel=1e-9, abs=1e-12), r0.name
+        assert r0.grad_norm == pytest.approx(s1.grad_norm, rel=1e-9), r0.name
+        for bn, ref in zip(rank_cands[1][r0.name].modules(), one[r0.name].modules()):
+            if isinstance(bn, nn.modules.batchnorm._BatchNorm):
+                assert torch.allclose(bn.running_mean, ref.running_mean) and torch.allclose(bn.running_var, ref.running_var)
+
+
 # -- errors ----------------------------------------------------------------------------------
 def test_errors():
     net = identity_stack()
