@@ -7,8 +7,9 @@
     python bench/probe.py --ops check_gain check_gain_projected --repeats 5              # the callback's check
     python bench/probe.py --family gpt --ops check_gain check_gain_projected --repeats 5  # a GPT decoder
 
-Each figure is the median over ``--repeats`` runs in this one process (ratios, not absolute
-times, are what transfer between machines). Peak memory is the rise of the process's peak
+Each figure is the median over ``--repeats`` interleaved runs in this one process (ratios, not
+absolute times, are what transfer between machines), in wall time and in this process's CPU
+time (the steadier one on a shared machine). Peak memory is the rise of the process's peak
 resident set (``VmHWM``, reset through ``/proc/self/clear_refs`` before each operation) over
 its resident set just before the operation (Linux only).
 """
@@ -173,21 +174,25 @@ def main():
         ops = ["train_step"] + [k for k in ops if k in args.ops and k != "train_step"]
     # Interleave the repeats (A B C A B C ...) so that load from other processes hits every
     # operation alike: the ratios, not the absolute times, are the result.
+    # Wall time and this process's CPU time: on a machine shared with other jobs the wall clock
+    # mostly measures them, while CPU seconds (one thread) measure the work itself.
     times = {name: [] for name in ops}
+    cpu = {name: [] for name in ops}
     for name in ops:
         OPS[name](*state, args)  # warm-up
     for _ in range(args.repeats):
         for name in ops:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             OPS[name](*state, args)
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
     mems = {name: peak_memory(name, args) for name in ops}
-    base_t, base_m = statistics.median(times["train_step"]), max(mems["train_step"], 1)
-    rows = [(n, statistics.median(times[n]), statistics.median(times[n]) / base_t, mems[n] / 1024, mems[n] / base_m) for n in ops]
-    print("| operation | median s | × train fwd+bwd | peak MiB | × train peak |")
-    print("|---|---|---|---|---|")
-    for name, t, rt, m, rm in rows:
-        print(f"| {name} | {t:.3f} | {rt:.2f} | {m:.0f} | {rm:.2f} |")
+    base_t, base_c, base_m = statistics.median(times["train_step"]), statistics.median(cpu["train_step"]), max(mems["train_step"], 1)
+    print("| operation | median wall s | × train fwd+bwd (wall) | median CPU s | × train fwd+bwd (CPU) | peak MiB | × train peak |")
+    print("|---|---|---|---|---|---|---|")
+    for n in ops:
+        t, c = statistics.median(times[n]), statistics.median(cpu[n])
+        print(f"| {n} | {t:.3f} | {t / base_t:.2f} | {c:.3f} | {c / base_c:.2f} | {mems[n] / 1024:.0f} | {mems[n] / base_m:.2f} |")
 
 
 if __name__ == "__main__":

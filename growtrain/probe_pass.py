@@ -80,12 +80,14 @@ class SiteAccumulator:
             self.block(z)
         return self.block.probe_features(z) if self.fast else z
 
-    def part(self, feats, q: torch.Tensor):
-        """``(Σ_i ξ_i, scalars)`` over the samples of ``feats`` and ``q``: the sum in the kind's
-        shape, and ``scalars(u)`` → per-sample ``ξ_i · u`` (``u`` flat, float64)."""
+    def part(self, feats, grad: torch.Tensor, scale: float):
+        """``(Σ_i ξ_i, scalars)`` over the samples of ``feats``, with ``q = scale · grad``: the sum
+        in the kind's shape, and ``scalars(u)`` → per-sample ``ξ_i · u`` (``u`` flat, float64).
+        Both are linear in ``q``, so the dense path scales its small results, not ``grad``."""
         if isinstance(feats, DenseFeatures) and not self.variance:
-            return self._dense_part(feats, q)
-        xi = self.per_sample(feats, q)
+            total, scalars = self._dense_part(feats, grad)
+            return total * scale, lambda u: scalars(u) * scale
+        xi = self.per_sample(feats, grad * scale)
         self.per_sample_formed = True
         if self.variance:
             # Σ_i ‖ξ_i‖² is the squared norm of the whole (B, …) tensor: no per-sample temporaries.
@@ -164,22 +166,23 @@ class SiteAccumulator:
         gram = gram.double()
         self.gram = gram if self.gram is None else self.gram + gram
 
-    def update(self, z: torch.Tensor, q: torch.Tensor, batch_grad: torch.Tensor, autocast, crossfit=None,
-               j: int = 0, offset: int = 0, sync_fn=None) -> None:  # fmt: skip
-        """One batch: activations ``z`` and per-sample activation gradients ``q`` at the site.
+    def update(self, z: torch.Tensor, grad: torch.Tensor, scale: float, grad_norm: torch.Tensor, autocast,
+               crossfit=None, j: int = 0, offset: int = 0, sync_fn=None) -> None:  # fmt: skip
+        """One batch: activations ``z`` and the batch loss's gradient ``grad`` at the site, whose
+        per-sample activation gradients are ``q = scale · grad``; ``grad_norm = ‖grad‖``.
 
         With ``crossfit`` the batch is cut at the A/B boundary: the part in ``A`` adds to
         ``Σ_A ξ`` (and, when calibrating, to the ghost's statistics), the part in ``B`` gives
         the scalars ``ξ_i · u``, once ``A`` is complete.
         """
-        size = q.shape[0]
+        size = grad.shape[0]
         k = size if crossfit is None else crossfit.a_count(offset, size)
         total = None
         sum_a = None
         if k > 0:
             with autocast():
                 feats = self.features(z[:k] if k < size else z, train=self.calibrating)
-            sum_a, _ = self.part(feats, q[:k] if k < size else q)
+            sum_a, _ = self.part(feats, grad[:k] if k < size else grad, scale)
             total = sum_a
         if crossfit is not None:
             if crossfit.advance(j, offset, size, sum_a if k > 0 else None) and self.calibrating:
@@ -187,15 +190,16 @@ class SiteAccumulator:
             if k < size:
                 with autocast():
                     feats = self.features(z[k:] if k > 0 else z)
-                sum_b, scalars = self.part(feats, q[k:] if k > 0 else q)
+                sum_b, scalars = self.part(feats, grad[k:] if k > 0 else grad, scale)
                 total = sum_b if total is None else total + sum_b
                 u = crossfit.direction(j)
                 if u is not None:
                     crossfit.add_scalars(j, scalars(u))
         s = total.double()
         self.sum_xi = s if self.sum_xi is None else self.sum_xi + s
-        self.sum_q_sq = self.sum_q_sq + torch.linalg.vector_norm(q).double().pow(2)
-        self.sum_batch_norm = self.sum_batch_norm + torch.linalg.vector_norm(batch_grad).double()
+        norm = grad_norm.double()
+        self.sum_q_sq = self.sum_q_sq + (norm * scale).pow(2)
+        self.sum_batch_norm = self.sum_batch_norm + norm
 
     def end_calibration(self, sync_fn=None) -> None:
         """Half A is done: the ghost's BatchNorm statistics are final (averaged over ranks with
@@ -314,14 +318,15 @@ def probe_pass(network, sites, candidates, loader, loss_fn, device, projected, a
     def score(j: int, z: torch.Tensor, grad: torch.Tensor) -> None:
         with torch.no_grad():
             grad = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
-            if not torch.isfinite(grad).all():
+            norm = torch.linalg.vector_norm(grad)  # one reduction: the finiteness check and AG's sums
+            if not torch.isfinite(norm):
                 raise FloatingPointError(
                     f"probe batch {batch['index']}: non-finite activation gradient at site {sites[j].name}; "
                     "no decision was made"
                 )
-            q = grad * batch["size"]  # per-sample activation gradients (the loss is a batch mean)
-            accs[j].update(z.detach(), q, grad, lambda: _autocast(device, autocast_dtype), crossfit, j,
-                           batch["offset"], sync_fn)  # fmt: skip
+            # per-sample activation gradients are q = size · grad (the loss is a batch mean)
+            accs[j].update(z.detach(), grad, batch["size"], norm, lambda: _autocast(device, autocast_dtype),
+                           crossfit, j, batch["offset"], sync_fn)  # fmt: skip
         scored[j] = True
 
     def capture(j, z):
