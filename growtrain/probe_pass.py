@@ -87,6 +87,10 @@ class SiteAccumulator:
         if isinstance(feats, DenseFeatures) and not self.variance:
             total, scalars = self._dense_part(feats, grad)
             return total * scale, lambda u: scalars(u) * scale
+        if not self.fast and not (self.variance or self.projected):
+            self.kind = "generic"
+            total, scalars = _generic_part(self.block, feats, grad)
+            return total * scale, lambda u: scalars(u) * scale
         xi = self.per_sample(feats, grad * scale)
         self.per_sample_formed = True
         if self.variance:
@@ -254,6 +258,45 @@ def _conv_gram(feats: DenseFeatures, dtype: torch.dtype) -> torch.Tensor:
 
 
 GENERIC_GRAM_LIMIT = 4096
+
+
+def _functional(block: nn.Module):
+    """``(out_fn, values)``: the block's output as a function of its terminal parameters."""
+    from torch.func import functional_call
+
+    terminal = terminal_parameters(block)
+    ids = {id(p) for p in terminal}
+    names = {id(p): name for name, p in block.named_parameters()}
+    t_names = [names[id(p)] for p in terminal]
+    fixed = {name: p.detach() for name, p in block.named_parameters() if id(p) not in ids}
+    fixed.update(dict(block.named_buffers()))
+
+    def out_fn(values, z):
+        return functional_call(block, {**fixed, **dict(zip(t_names, values))}, (z,))
+
+    return out_fn, tuple(p.detach() for p in terminal)
+
+
+def _generic_part(block: nn.Module, z: torch.Tensor, grad: torch.Tensor):
+    """A block without a feature form, without per-sample gradients: ``Σ_i ξ_i`` is one VJP of
+    the batch's output with ``grad``, and ``ξ_i · u`` one forward-mode JVP along ``u``
+    contracted with ``grad_i`` (the block runs in eval mode, so samples stay independent)."""
+    from torch.func import jvp, vjp
+
+    out_fn, values = _functional(block)
+    _, pullback = vjp(lambda v: out_fn(v, z), values)
+    total = torch.cat([g.flatten() for g in pullback(grad)[0]])
+
+    def scalars(u: torch.Tensor) -> torch.Tensor:
+        u = u.to(grad.dtype)
+        tangents, start = [], 0
+        for v in values:
+            tangents.append(u[start : start + v.numel()].reshape(v.shape))
+            start += v.numel()
+        _, tangent = jvp(lambda v: out_fn(v, z), (values,), (tuple(tangents),))
+        return (tangent * grad).flatten(1).sum(1)
+
+    return total, scalars
 
 
 def _generic_per_sample(block: nn.Module, z: torch.Tensor, q: torch.Tensor, with_jacobian: bool):
