@@ -31,13 +31,15 @@ from growtrain.growable import Site, terminal_parameters
 class SiteAccumulator:
     """Streamed float64 sums for one site; every field is a sum, so ranks all-reduce them.
 
-    Two ways to the same sums. With ``variance`` (σ̂² needs ``Σ‖ξ_i‖²``) or for a block without
-    a direct form, the per-sample ``ξ_i`` are formed. Otherwise a position-wise linear terminal
-    map (conv or linear: ``DenseFeatures``) never forms them: ``Σ_i ξ_i`` is one batched
-    weight gradient and the cross-fit scalars ``ξ_i · u`` are directional derivatives, one
-    forward of the terminal map with ``u`` as its weight contracted with ``q_i``. Per-sample
+    Two ways to the same sums. With ``variance`` (σ̂² needs ``Σ‖ξ_i‖²``) the per-sample ``ξ_i``
+    are formed. Otherwise a position-wise linear terminal map (conv or linear:
+    ``DenseFeatures``) never forms them: ``Σ_i ξ_i`` is one batched weight gradient and the
+    cross-fit scalars ``ξ_i · u`` are directional derivatives, one forward of the terminal map
+    with ``u`` as its weight contracted with ``q_i``; a block without a feature form uses one
+    VJP and one JVP (unless ``projected``: V_S needs its per-sample Jacobians). Per-sample
     gradients of a conv are ``B`` kernels per batch; forming them cost more than the rest of
-    the probe (docs/design.md §2).
+    the probe (docs/design.md §2). The ``basic`` family's (2 numbers per channel) are formed:
+    cheaper than any alternative.
 
     ``calibrating``: the ghost's BatchNorm statistics are set during this pass (the cross-fit
     rules' folded calibration, ``growtrain.ghosts``): on half A the ghost runs in train mode
