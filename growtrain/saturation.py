@@ -6,7 +6,12 @@ network's function is unchanged and the joint gradient is the concatenation of t
 gradients (the paper's Corollary 2), so one forward+backward per probe batch scores all sites.
 A ghost never runs ``V``: the probe keeps its features ``φ(z)`` from the forward pass and the
 activation gradient ``q`` at the site from the backward pass, and forms ``ξ = J(z)ᵀ q``
-directly (docs/design.md §2, "The probe pass").
+directly (docs/design.md §2, "The probe pass") — or, in the cross-fit check without σ̂², only
+their batch sums and directional derivatives ``ξ_i · u`` (``growtrain.probe_pass``).
+
+Modules: the pass and its per-site sums in ``growtrain.probe_pass``, the ghosts and their
+BatchNorm calibration in ``growtrain.ghosts``, the report in ``growtrain.saturation_report``;
+this module checks the arguments and runs them in order.
 
 Per site it reports ``grad_norm = ‖ĝ‖₂``, ``variance = σ̂²``, ``ag`` (Remark 1), ``ag_batch``
 (Eq. 2) and ``projected = V_S = sqrt(ĝᵀ Ĝ† ĝ)`` (Lemma 4); the decision is Proposition 1's
@@ -15,7 +20,8 @@ Per site it reports ``grad_norm = ‖ĝ‖₂``, ``variance = σ̂²``, ``ag`` (
 Conventions: ``loss_fn(output, target)`` returns the *mean* loss over the batch's samples
 (for language models, a sample is a sequence), so the per-sample activation gradient is the
 batch size times the gradient of the batch loss. The probe runs in eval mode, so samples are
-independent (BatchNorm uses running statistics). No Lightning import here.
+independent (BatchNorm uses running statistics; only the ghosts' own BatchNorms use batch
+statistics on half A of a cross-fit check, while they are calibrated). No Lightning import here.
 """
 
 from __future__ import annotations
