@@ -73,7 +73,10 @@ class SiteAccumulator:
         and its features use the batch statistics; any other block runs once in train mode
         first, and its features use the statistics accumulated so far.
         """
-        if not (train and self.bns):
+        # A part of one sample (a batch cut at the A/B boundary, or the relative rule's pieces)
+        # has no batch statistics to give where a BatchNorm sees one value per channel: it is
+        # scored with the statistics so far and adds none.
+        if not (train and self.bns) or z.shape[0] < 2:
             return self.block.probe_features(z) if self.fast else z
         if self.fast and getattr(self.block, "probe_features_calibrates", False):
             with batch_statistics(self.bns):

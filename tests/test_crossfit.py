@@ -550,6 +550,25 @@ def test_end_to_end_net_matches_explicit_insertion_with_folded_calibration(kind,
         assert (record.variance is None) == (not variance)
 
 
+@pytest.mark.parametrize("kind, n, rule, counted", [
+    ("dense", 17, "crossfit", 1),  # A = 9 = a batch of 8 and a cut of 1 sample
+    ("dense", 8, "relative", 0),  # A = 4 in pieces of 1
+    ("preact", 17, "crossfit", 1),
+])  # fmt: skip
+def test_folded_calibration_skips_single_sample_parts(kind, n, rule, counted):
+    """A one-sample part of half A has no batch statistics (BatchNorm1d refuses it): it is scored
+    with the statistics so far and adds none, instead of failing the check."""
+    from helpers import loss_fn, make_net, probe_batches
+
+    net = make_net(kind)
+    cands = candidate_blocks(net, seed=0)
+    report = measure_saturation(net, probe_batches(kind, n=n, batch=8), loss_fn, rule=rule, candidates=cands)
+    assert all(math.isfinite(r.lower) for r in report.sites)
+    for block in cands.values():
+        bns = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        assert bns and all(int(bn.num_batches_tracked) == counted for bn in bns)
+
+
 class StridedGhost(PreActBlock):
     """A preact ghost whose terminal conv has stride 2, dilation 2 and a bias, on features at twice
     the site's resolution (so that its output has the site's shape)."""
