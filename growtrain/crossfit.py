@@ -34,9 +34,12 @@ the same single probe pass; on ``B`` it keeps ``|B|`` floats per site.
 Streaming (``CrossFitState``). ``measure_saturation`` feeds every batch's per-sample
 gradients in loader order; ``A`` comes first, so ``u_l`` is complete when ``B`` starts, and a
 batch that straddles the boundary is split inside. The candidate blocks' BatchNorm statistics
-are calibrated on ``A`` only (``first_half``), so given ``A`` the scored block and ``u_l`` are
-fixed and ``B`` is fresh data: the conditional i.i.d. argument holds exactly. That needs the
-probe loader to yield the same order on both passes (no reshuffling; a warning says so).
+are calibrated on ``A`` only, inside the same pass (``growtrain.probe_pass``), so given ``A`` the
+scored block and ``u_l`` are fixed and ``B`` is fresh data: the conditional i.i.d. argument
+holds exactly. The probe is read once, so a loader that reshuffles only makes the split random.
+Without per-sample gradients (``measure_saturation(variance=False)``, the cross-fit default)
+the pass feeds ``advance`` with the sums over ``A`` and ``add_scalars`` with the directional
+derivatives ``ξ_i · u_l`` on ``B``; ``update`` is the same from per-sample gradients.
 
 DDP. With ``sync_fn`` (a sum over ranks) each rank splits *its own* shard in two; at its A/B
 boundary every rank all-reduces its ``Σ_{i∈A} ξ_i`` (one call per site, in site order), so all
@@ -73,11 +76,11 @@ from __future__ import annotations
 import math
 import statistics
 import warnings
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import torch
 
-from growtrain.batches import batch_size, slice_batch
+from growtrain.batches import batch_size
 
 __all__ = [
     "BOUNDS",
@@ -237,7 +240,8 @@ def probe_size(loader, n: int | None = None) -> int:
 class CrossFitState:
     """Streamed cross-fit state of ``K`` sites over a probe sample of ``n`` samples (this rank).
 
-    ``update(j, xi, offset)`` for every batch and site, in loader order; then ``apply``.
+    ``update(j, xi, offset)`` (or ``advance`` and ``add_scalars``) for every batch and site, in
+    loader order; then ``lower_bounds``.
     """
 
     def __init__(
@@ -275,41 +279,44 @@ class CrossFitState:
         if alpha is not None:
             _check_level(alpha, "alpha")
         _check_bound(bound)
-        data = torch.utils.data
-        if isinstance(loader, data.DataLoader) and isinstance(loader.sampler, data.RandomSampler):
-            warnings.warn(
-                "probe_loader: it reshuffles on every pass, so the BatchNorm calibration's half A is not the probe "
-                "pass's half A; give the probe loader a fixed order (shuffle=False)",
-                stacklevel=3,
-            )
         return cls(probe_size(loader, n), K, sync_fn=sync_fn, bound=bound)
 
-    def first_half(self, loader: Iterable) -> Iterator:
-        """The batches of ``loader`` cut to its first ``⌈n/2⌉`` samples (``A``), e.g. to
-        calibrate the candidates' BatchNorm statistics on ``A`` only."""
-        seen = 0
-        for batch in loader:
-            if seen >= self.n_a:
-                break
-            size = batch_size(batch)
-            yield batch if seen + size <= self.n_a else slice_batch(batch, 0, self.n_a - seen)
-            seen += size
+    def a_count(self, offset: int, size: int) -> int:
+        """How many of the samples ``offset … offset+size−1`` belong to ``A``."""
+        return min(max(self.n_a - offset, 0), size)
+
+    def advance(self, j: int, offset: int, size: int, sum_a: torch.Tensor | None) -> bool:
+        """Site ``j`` saw samples ``offset … offset+size−1``; ``sum_a`` is the sum of their
+        cross-gradients that belong to ``A`` (None when none do). Returns True when this call
+        completed ``A`` (``u`` is then set, all-reduced over ranks with ``sync_fn``)."""
+        if offset != self._seen[j]:
+            raise RuntimeError(f"crossfit: site {j} got samples from offset {offset}, expected {self._seen[j]}")
+        self._seen[j] += size
+        if sum_a is not None:
+            part = sum_a.detach().flatten().double()
+            self._sum_a[j] = part if self._sum_a[j] is None else self._sum_a[j] + part
+        if not self._done_a[j] and offset + size >= self.n_a:
+            self._finish_a(j)
+            return True
+        return False
+
+    def direction(self, j: int) -> torch.Tensor | None:
+        """``u_j`` (float64, flat), or None while ``A`` is incomplete or when ``ĝ_j(A) = 0``."""
+        return self._u[j] if self._defined[j] else None
+
+    def add_scalars(self, j: int, s: torch.Tensor) -> None:
+        """Site ``j``'s per-sample ``ξ_i · u_j`` of samples of ``B``, in loader order."""
+        self._s[j].append(s.detach().double())
 
     def update(self, j: int, xi: torch.Tensor, offset: int) -> None:
         """Site ``j``'s per-sample gradients ``xi: (B, …)`` of samples ``offset … offset+B−1``."""
         xi = xi.detach().flatten(1)  # (B, p)
         size = xi.shape[0]
-        if offset != self._seen[j]:
-            raise RuntimeError(f"crossfit: site {j} got samples from offset {offset}, expected {self._seen[j]}")
-        self._seen[j] += size
-        k = min(max(self.n_a - offset, 0), size)  # how many of this batch belong to A
-        if k > 0:
-            part = xi[:k].sum(0, dtype=torch.float64)  # (p,)
-            self._sum_a[j] = part if self._sum_a[j] is None else self._sum_a[j] + part
-        if not self._done_a[j] and offset + size >= self.n_a:
-            self._finish_a(j)
-        if k < size and self._defined[j]:
-            self._s[j].append((xi[k:] @ self._u[j].to(xi.dtype)).double())  # (B − k,)
+        k = self.a_count(offset, size)
+        self.advance(j, offset, size, xi[:k].sum(0, dtype=torch.float64) if k > 0 else None)
+        u = self.direction(j)
+        if k < size and u is not None:
+            self.add_scalars(j, xi[k:] @ u.to(xi.dtype))  # (B − k,)
 
     def _finish_a(self, j: int) -> None:
         total = self._sum_a[j]
@@ -360,48 +367,3 @@ class CrossFitState:
         ]
         info = {"level": level, "bound_kind": self.bound, "n_a": n_a, "n_b": n_b, "factor": factor}
         return lowers, info
-
-    def apply(self, report, *, delta: float, alpha: float) -> None:
-        """Set every record's ``lower`` and the report's cross-fit decision (paper figures stay)."""
-        delta = _check_delta(delta)
-        lowers, info = self.lower_bounds(alpha)
-        if info["n_a"] + info["n_b"] != report.n:
-            raise RuntimeError(
-                f"crossfit: it saw {info['n_a'] + info['n_b']} probe samples, the report counts {report.n}"
-            )
-        for record, lower in zip(report.sites, lowers):
-            record.lower = lower
-        best = max(range(len(lowers)), key=lambda j: lowers[j])
-        best_name, best_lower = report.sites[best].name, lowers[best]
-        grow = best_lower > delta
-        paper = "saturated" if report.saturated else "grow"
-        report.rule = "crossfit"
-        report.saturated = not grow
-        report.best_site = best_name if grow else None
-        verdict = f"grow: lower bound {best_lower:.4g} at {best_name} > δ={delta:.4g}"
-        report.reason = (
-            verdict if grow else f"saturated: max lower bound {best_lower:.4g} (at {best_name}) ≤ δ={delta:.4g}"
-        ) + f" ({info['bound_kind']} bound, level α/K={info['level']:.3g}, |A|={info['n_a']}, |B|={info['n_b']})"
-        report.extra = {
-            **report.extra,
-            "level": info["level"],
-            "bound_kind": info["bound_kind"],
-            "n_a": info["n_a"],
-            "n_b": info["n_b"],
-            "max_lower": best_lower,
-            "lower_site": best_name,
-            "paper_decision": paper,
-        }
-
-
-_MOVED_TO_BENCH = ("debiased_norm_sq", "trace_sq_estimate", "chen_qin_z", "chen_qin_test", "ChenQin", "TRACE_METHODS")
-
-
-def __getattr__(name: str):
-    # The Chen–Qin test left the library (nothing in it used the test); say where it went.
-    if name in _MOVED_TO_BENCH:
-        raise AttributeError(
-            f"growtrain.crossfit.{name} moved to bench/chen_qin.py in the source repository (a benchmark of "
-            "bench/power.py, not part of the library): copy that file or run from a checkout"
-        )
-    raise AttributeError(f"module 'growtrain.crossfit' has no attribute {name!r}")

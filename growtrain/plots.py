@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from growtrain._deprecation import moved_names
 
 __all__ = ["plot_gamma_trace", "plot_sweep", "plot_stopping", "grew"]
 
@@ -218,8 +217,3 @@ def _plot_gains(ax, growth_rows: Sequence[dict], gains: Sequence[Sequence[dict]]
     ax.set_ylabel("certified gain of the last block / probe loss")
     ax.legend(fontsize=8)
 
-
-# Moved to growtrain.callbacks.gamma_plot (a Lightning callback is not a figure function).
-__getattr__ = moved_names(
-    __name__, {"GammaTracePlot": "growtrain.callbacks.gamma_plot", "save_gamma_trace": "growtrain.callbacks.gamma_plot"}
-)

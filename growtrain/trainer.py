@@ -24,7 +24,6 @@ from typing import Literal, Optional, Sequence, Union
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import SaveConfigCallback
 
-from growtrain._deprecation import moved_names
 from growtrain.decision import DEFAULT_TAU
 from growtrain.experiments import run_compare, run_match, run_measure, run_stopping, run_sweep
 from growtrain.experiments._training import BaseGrowTrainer
@@ -33,18 +32,6 @@ __all__ = ["EXPERIMENTS", "GrowTrainer"]
 
 # GrowTrainer methods that the CLI exposes as subcommands (``growtrain compare --config …``).
 EXPERIMENTS = ("compare", "measure", "sweep", "match", "stopping")
-
-# Moved down a layer so that the experiments need not import this module (no import cycle).
-__getattr__ = moved_names(
-    __name__,
-    {
-        "ComputeMeter": "growtrain.callbacks.compute",
-        "forward_flops": "growtrain.callbacks.compute",
-        "growth_callbacks": "growtrain.callbacks",
-        "sibling_trainer": "growtrain.experiments._training",
-        "evaluate": "growtrain.experiments._training",
-    },
-)
 
 
 # -- the trainer ---------------------------------------------------------------------------------

@@ -431,7 +431,8 @@ def test_crossfit_rule_with_alpha_spending(tmp_path, monkeypatch):
         assert h["lower"] == max(s["lower"] for s in h["site_scores"])
         assert (h["action"] == "grow") == (h["lower"] > 0.1)
     assert first["rule"] == "crossfit"
-    assert first["extra"]["paper_decision"] in ("grow", "saturated")
+    # the cross-fit check forms no σ̂² (no per-sample gradients), so the paper's rule is not reported
+    assert "paper_decision" not in first["extra"] and "paper" not in first["verdicts"]
     assert all(s["lower"] is not None for s in first["site_scores"])
     assert trainer.should_stop
 

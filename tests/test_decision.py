@@ -122,8 +122,13 @@ def test_loss_scale_changes_no_relative_decision():
 
 def test_every_verdict_is_reported_and_the_deciding_rule_named():
     net = make_net("basic")
-    report = measure_saturation(net, probe_batches("basic", n=32), F.cross_entropy, rule="relative", projected=False)
+    report = measure_saturation(net, probe_batches("basic", n=32), F.cross_entropy, rule="relative", projected=False,
+                                variance=True)  # fmt: skip
     assert report.rule == "relative" and set(report.verdicts) == {"paper", "crossfit", "relative"}
+    # without σ̂² (the default of the cross-fit rules: no per-sample gradients) there is no paper verdict
+    quick = measure_saturation(net, probe_batches("basic", n=32), F.cross_entropy, rule="relative", projected=False)
+    assert set(quick.verdicts) == {"crossfit", "relative"} and quick.threshold is None
+    assert [r.lower for r in quick.sites] == pytest.approx([r.lower for r in report.sites], rel=1e-9)
     chosen = report.verdicts["relative"]
     assert (report.saturated, report.best_site, report.margin) == (chosen.saturated, chosen.site, chosen.margin)
     d = report.to_dict()

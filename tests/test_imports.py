@@ -4,11 +4,10 @@ cycle and points down the layers cli → trainer → experiments → callbacks �
 The graph is read from the source with ``ast``: every ``import``/``from … import`` of a
 growtrain module, at module level or deferred inside a function (a deferred import hides a cycle
 from the interpreter but not from a reader). Imports inside a module-level ``__getattr__``
-(PEP 562) are not edges: that is how an old, deprecated path re-exports a name from its new home
-on first use. Imports under ``if TYPE_CHECKING:`` never run: they must point down the layers
+(PEP 562) are not edges: that is how ``growtrain`` loads its Lightning parts on first use. Imports under ``if TYPE_CHECKING:`` never run: they must point down the layers
 like any other, but make no cycle (a type annotation does not fix an import order). A *shim*
-(a module that only re-exports, e.g. ``growtrain.callback`` after the callback moved into
-``growtrain.callbacks``) may import from any layer, but not into a cycle.
+(a module that only re-exports) may import from any layer, but not into a cycle; the package
+has none today (the pre-release ones were removed).
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ LAYER_OF_PREFIX = {
     "growtrain.trainer": "trainer",
     "growtrain.experiments": "experiments",
     "growtrain.callbacks": "callbacks",
-    "growtrain.callback": "callbacks",
 }
 
 
@@ -208,7 +206,7 @@ def test_cycle_finder_and_layers_on_known_graphs():
     cycle = find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}})
     assert cycle is not None and cycle[0] == cycle[-1] and set(cycle) == {"a", "b", "c"}
     assert [layer(m) for m in ("growtrain.cli", "growtrain.trainer", "growtrain.experiments.runs",
-                               "growtrain.callbacks.compute", "growtrain.callback", "growtrain.saturation")] == [
+                               "growtrain.callbacks.compute", "growtrain.callbacks", "growtrain.saturation")] == [
         "cli", "trainer", "experiments", "callbacks", "callbacks", "core"]  # fmt: skip
 
 

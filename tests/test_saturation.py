@@ -123,6 +123,51 @@ def test_projected_matches_brute_force_pinv(kind):
         assert r.realisability == pytest.approx(r.projected / r.ag)
 
 
+@pytest.mark.parametrize("case", ["well_conditioned", "duplicate_column", "rank_deficient", "near_cutoff"])
+def test_quadratic_pinv_equals_the_pseudo_inverse(case, monkeypatch):
+    """tr(C A† Cᵀ) by Cholesky where safe, else by eigenvalues, against torch.linalg.pinv; the
+    Cholesky path is taken only where no eigenvalue is near the pseudo-inverse's cutoff."""
+    from growtrain import probe_math as pm
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(200, 12, dtype=torch.float64, generator=gen)
+    if case == "duplicate_column":
+        x = torch.cat([x, x[:, 3:4]], dim=1)  # the same feature twice: A singular, V_S unchanged
+    elif case == "rank_deficient":
+        x = x[:, :6] @ torch.randn(6, 12, dtype=torch.float64, generator=gen)
+    elif case == "near_cutoff":
+        x[:, -1] = x[:, 0] + x[:, 1] + 1e-9 * x[:, 2]  # λ_min ≈ 1e-19 λ_max: below the cutoff, no duplicate
+    gram = x.T @ x
+    grad = (torch.randn(5, 200, dtype=torch.float64, generator=gen) @ x) / 200  # in the span of the features
+    eig_calls = []
+    real = pm.psd_pinv
+    monkeypatch.setattr(pm, "psd_pinv", lambda *a, **k: eig_calls.append(1) or real(*a, **k))
+    value = pm.quadratic_pinv(grad, gram)
+    want = ((grad @ torch.linalg.pinv(gram, hermitian=True, rtol=12 * 2.2e-16)) * grad).sum()
+    assert float(value) == pytest.approx(float(want), rel=1e-8)
+    assert bool(eig_calls) == (case in ("rank_deficient", "near_cutoff"))
+
+
+@pytest.mark.parametrize("shape, kernel, padding", [
+    ((3, 2, 5, 4), (3, 3), (1, 1)), ((2, 3, 6, 6), (5, 5), (2, 2)), ((2, 2, 4, 5), (3, 1), (1, 0)),
+    ((2, 3, 4, 4), (1, 1), (0, 0)), ((4, 5, 8, 8), (3, 3), (1, 1)),
+])  # fmt: skip
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv_gram_equals_the_gram_of_unfolded_patches(shape, kernel, padding, bias):
+    """The patch-free Gram (lag sums minus the border each shift misses) against F.unfold."""
+    from growtrain.probe_math import conv_gram
+
+    phi = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(sum(shape)))
+    patches = F.unfold(phi, kernel, padding=padding).transpose(1, 2)  # (B, P, C·k²), unfold's order
+    if bias:
+        patches = torch.cat([patches, patches.new_ones(patches.shape[:-1] + (1,))], dim=-1)
+    flat = patches.reshape(-1, patches.shape[-1])
+    assert torch.allclose(conv_gram(phi, kernel, padding, bias=bias), flat.T @ flat, rtol=1e-12, atol=1e-12)
+    if kernel != (1, 1):
+        with pytest.raises(ValueError, match="same"):
+            conv_gram(phi, kernel, (0, 0))
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_projected_never_exceeds_ag(kind, seed):
     net = H.make_net(kind, seed=seed, blocks=(2, 1, 1))

@@ -135,10 +135,6 @@ class GrowthConfig:
             warnings.warn(f"GrowUntilSaturated: t only sets the paper rule's threshold; rule={rule!r} decides by its "
                           "lower bound at level alpha, so t changes the reported figures only.", UserWarning,
                           stacklevel=4)  # fmt: skip
-        if self.alpha_spending == "none":  # the name before 0.2; growtrain.crossfit calls it "constant"
-            warnings.warn("alpha_spending='none' is now 'constant' (the name growtrain.crossfit uses)",
-                          DeprecationWarning, stacklevel=4)  # fmt: skip
-            object.__setattr__(self, "alpha_spending", "constant")
         _choice("alpha_spending", self.alpha_spending, ALPHA_SPENDING)
         _int("top_k", self.top_k, 1)
         _int("max_growths", self.max_growths, 0, optional=True)

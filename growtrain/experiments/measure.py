@@ -141,7 +141,7 @@ def run_measure(
     probe = datamodule.probe_dataloader()
     report = measure_saturation(
         network, probe, probe_loss_of(model), delta=delta, alpha=alpha, t=t, rule=rule, tau=tau, projected=projected,
-        seed=seed,
+        seed=seed, variance=True,  # the measurement reports σ̂² and the paper's figures under every rule
     )
     example = next(iter(probe))[0].to(network.neighbour_tensor(network.sites()[0]).device)
     result = MeasureResult(report, site_dims(network, example), ckpt_path=ckpt_path)

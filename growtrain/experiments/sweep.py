@@ -141,7 +141,7 @@ def run_sweep(
             network = growable_of(module)
             report = measure_saturation(
                 network, datamodule.probe_dataloader(), probe_loss_of(module), delta=delta, alpha=alpha, rule=rule,
-                projected=projected, seed=seed,
+                projected=projected, seed=seed, variance=True,  # the table reports the paper's δ+t under every rule
             )  # fmt: skip
             row = log.add(key, {
                 "depth": value, "blocks": network.depth(),

@@ -50,10 +50,19 @@ class BasicBlock(nn.Module):
     def terminal_parameters(self) -> list[nn.Parameter]:
         return [self.bn2.weight, self.bn2.bias]
 
+    # the feature form runs every BatchNorm of the block: a folded calibration (growtrain.probe_pass)
+    # sets the statistics while it computes the features
+    probe_features_calibrates = True
+
     def normalised(self, z: torch.Tensor) -> torch.Tensor:
-        """``û``: ``bn2``'s input normalised by its running statistics, ``(B, C, H, W)``."""
+        """``û``: ``bn2``'s input normalised by its running statistics, ``(B, C, H, W)``; in
+        train mode by the batch's, accumulated into the running ones as ``bn2`` itself would."""
         u = self.conv2(F.relu(self.bn1(self.conv1(z))))
         bn = self.bn2
+        if bn.training:
+            bn.num_batches_tracked.add_(1)
+            factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+            return F.batch_norm(u, bn.running_mean, bn.running_var, None, None, True, factor, bn.eps)
         mean = bn.running_mean.view(1, -1, 1, 1)
         var = bn.running_var.view(1, -1, 1, 1)
         return (u - mean) * torch.rsqrt(var + bn.eps)

@@ -25,7 +25,7 @@ class ResidualAdapter(nn.Module):
         if missing:
             raise ValueError(f"terminal: {missing} are not parameters of the block; it has {sorted(params)}")
         # A block that knows its own feature form keeps the probe's fast path.
-        for name in ("probe_features", "split_terminal"):
+        for name in ("probe_features", "split_terminal", "probe_features_calibrates"):
             if hasattr(block, name):
                 setattr(self, name, getattr(block, name))
 

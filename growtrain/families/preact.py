@@ -32,6 +32,10 @@ class PreActBlock(nn.Module):
         for m in (self.conv1, self.conv2) + ((self.shortcut,) if self.shortcut is not None else ()):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
 
+    # the feature form runs every BatchNorm of the block: a folded calibration (growtrain.probe_pass)
+    # sets the statistics while it computes the features
+    probe_features_calibrates = True
+
     def features(self, z: torch.Tensor) -> torch.Tensor:
         """``φ(z)``: the input of the terminal conv, ``(B, C, H, W)``."""
         return F.relu(self.bn2(self.conv1(F.relu(self.bn1(z)))))
