@@ -234,6 +234,16 @@ def test_the_stopping_experiments_scratch_rule_does_not_warn_about_every_n_epoch
     assert (scratch.every_n_epochs, scratch.max_growths, fixed.every_n_epochs) == (1, 0, 3)
 
 
+def test_the_stopping_experiments_seeded_growth_rule_does_not_warn_about_every_n_epochs():
+    from growtrain.experiments.stopping import _seeded_grower
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grow = _seeded_grower(GrowUntilSaturated(monitor="val_loss", min_gain=None), 7)
+        fixed = _seeded_grower(GrowUntilSaturated(monitor=None, every_n_epochs=3, min_gain=None), 7)
+    assert (grow.seed, grow.config.seed, grow.every_n_epochs, fixed.every_n_epochs) == (7, 7, 1, 3)
+
+
 def test_resume_false_says_it_discards_earlier_rows(tmp_path):
     from growtrain.experiments.runs import RunLog
 

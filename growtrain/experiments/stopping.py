@@ -132,6 +132,16 @@ def _scratch_grower(grow: GrowUntilSaturated) -> GrowUntilSaturated:
     return GrowUntilSaturated(**{name: getattr(config, name) for name in GrowthConfig.names()} | {"every_n_epochs": every})
 
 
+def _seeded_grower(grow: GrowUntilSaturated, seed: int) -> GrowUntilSaturated:
+    """The configured growth callback with candidate blocks seeded by ``seed`` (a fresh copy per run)."""
+    runner = copy.deepcopy(grow)
+    # every_n_epochs back to "not given" under a monitor (replace re-validates: no false warning)
+    every = runner.config.every_n_epochs if runner.config.monitor is None else None
+    runner.config = replace(runner.config, seed=seed, every_n_epochs=every)
+    runner.seed = seed
+    return runner
+
+
 def run_stopping(
     model: LightningModule,
     datamodule: LightningDataModule,
@@ -196,14 +206,8 @@ def run_stopping(
         return log.add(key, _train(module, datamodule, kwargs, out / directory, others, grower(), name,
                                    depth_offset(model, name), seed))  # fmt: skip
 
-    def seeded_grower(seed: int) -> GrowUntilSaturated:
-        runner = copy.deepcopy(grow)
-        runner.config = replace(runner.config, seed=seed)
-        runner.seed = seed
-        return runner
-
     growth_rows = [row(f"growth/{decision_key}/seed={seed}", start, seed, f"growth_seed{seed}",
-                       lambda seed=seed: seeded_grower(seed)) for seed in (seeds if not skip_growth else ())]  # fmt: skip
+                       lambda seed=seed: _seeded_grower(grow, seed)) for seed in (seeds if not skip_growth else ())]  # fmt: skip
     scratch_rows = [row(f"scratch/{name}={value}/seed={seed}", value, seed, f"scratch_{name}{value}_seed{seed}",
                         lambda: _scratch_grower(grow))
                     for seed in (seeds if not skip_scratch else ()) for value in values]  # fmt: skip
