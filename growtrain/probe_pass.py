@@ -8,6 +8,7 @@ reference and the per-sample losses ride on the same pass. No Lightning import h
 from __future__ import annotations
 
 import math
+import threading
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -282,6 +283,9 @@ def _functional(block: nn.Module):
     return out_fn, tuple(p.detach() for p in terminal)
 
 
+_FORWARD_AD_LOCK = threading.Lock()
+
+
 def _generic_part(block: nn.Module, z: torch.Tensor, grad: torch.Tensor):
     """A block without a feature form, without per-sample gradients: ``Σ_i ξ_i`` is one VJP of
     the batch's output with ``grad``, and ``ξ_i · u`` one forward-mode JVP along ``u``
@@ -298,7 +302,10 @@ def _generic_part(block: nn.Module, z: torch.Tensor, grad: torch.Tensor):
         for v in values:
             tangents.append(u[start : start + v.numel()].reshape(v.shape))
             start += v.numel()
-        _, tangent = jvp(lambda v: out_fn(v, z), (values,), (tuple(tangents),))
+        # forward-AD levels are process-global in torch: two threads (e.g. ranks emulated by
+        # threads) entering jvp at once corrupt each other's level, so one jvp at a time
+        with _FORWARD_AD_LOCK:
+            _, tangent = jvp(lambda v: out_fn(v, z), (values,), (tuple(tangents),))
         return (tangent * grad).flatten(1).sum(1)
 
     return total, scalars
@@ -309,19 +316,12 @@ def _generic_per_sample(block: nn.Module, z: torch.Tensor, q: torch.Tensor, with
 
     Returns ``(ξ: (B, p), J: (B, out, p) or None)``.
     """
-    from torch.func import functional_call, jacrev, vjp, vmap
+    from torch.func import jacrev, vjp, vmap
 
-    terminal = terminal_parameters(block)
-    ids = {id(p) for p in terminal}
-    names = {id(p): name for name, p in block.named_parameters()}
-    t_names = [names[id(p)] for p in terminal]
-    fixed = {name: p.detach() for name, p in block.named_parameters() if id(p) not in ids}
-    fixed.update(dict(block.named_buffers()))
-    t_values = tuple(p.detach() for p in terminal)
+    batch_fn, t_values = _functional(block)
 
-    def out_fn(values, z_i):
-        params = {**fixed, **dict(zip(t_names, values))}
-        return functional_call(block, params, (z_i.unsqueeze(0),)).squeeze(0)
+    def out_fn(values, z_i):  # one sample: the block's output as a function of its terminal map
+        return batch_fn(values, z_i.unsqueeze(0)).squeeze(0)
 
     def xi_fn(z_i, q_i):
         _, pullback = vjp(lambda values: out_fn(values, z_i), t_values)
