@@ -42,10 +42,10 @@ def make_pairs(out: Path = PAIRS, seed: int = 0) -> list[dict]:
     class Capture(GrowUntilSaturated):
         def _last_growth_paid(self, trainer, pl_module, network, level):
             before = None if self.gain_reference is None else torch.tensor(self.gain_reference, dtype=torch.float64)
-            losses, gain = super()._last_growth_paid(trainer, pl_module, network, level)
+            losses, signatures, gain = super()._last_growth_paid(trainer, pl_module, network, level)
             if before is not None:
                 captured.append({"before": before.float(), "after": losses.float().clone(), "epoch": trainer.current_epoch})
-            return losses, gain
+            return losses, signatures, gain
 
     lightning.seed_everything(seed, verbose=False)
     dm = ImageDataModule(dataset="fashion-mnist-mini", batch_size=128, probe_size=2000, val_size=1000, seed=0)

@@ -125,7 +125,7 @@ def sample_signatures(batch: Any) -> torch.Tensor:
 
     Each tensor contributes ``Σ_j v_ij · w_j`` with fixed, position-dependent weights ``w``, so
     another sample, a changed label or a permuted layout changes the fingerprint; summed over
-    tensors with distinct weights per tensor. Computed on the batch's device, returned on CPU."""
+    tensors with distinct weights per tensor. Computed and returned on the batch's device."""
     leaves = [t for t in _leaves(batch) if t.dim() >= 1]
     if not leaves:
         raise ValueError(f"probe: cannot fingerprint a batch of type {type(batch).__name__} (no tensors in it)")
@@ -136,7 +136,7 @@ def sample_signatures(batch: Any) -> torch.Tensor:
         j = torch.arange(flat.shape[1], dtype=torch.float64, device=flat.device)
         weights = 1.0 + 0.5 * torch.cos(0.7 * j + 1.3 * (k + 1))  # in [0.5, 1.5]: no cancellation to 0
         out += flat @ weights
-    return out.cpu()
+    return out
 
 
 def signature_mismatch(stored: torch.Tensor, now: torch.Tensor, rtol: float = 1e-6) -> str | None:

@@ -105,6 +105,7 @@ def test_a_budget_ends_growth_without_judging_or_undoing(tmp_path):
     second = grow.history[1]
     assert second["action"] == "budget" and "gain" not in second and "restored" not in second
     assert model.network.depth() == 4
+    assert grow.snapshot is None  # growth has ended: no verdict can use the host copy any more
 
 
 def test_a_paid_growth_is_kept(tmp_path):

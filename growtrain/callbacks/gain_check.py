@@ -40,8 +40,9 @@ class RealizedGainMixin:
             )
 
     def _last_growth_paid(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module,
-                          level: float) -> tuple[torch.Tensor, dict | None]:  # fmt: skip
-        """The probe's per-sample losses now and, after a growth, the verdict on that growth.
+                          level: float) -> tuple[torch.Tensor, torch.Tensor, dict | None]:  # fmt: skip
+        """The probe's per-sample losses now, their samples' fingerprints and, after a growth, the
+        verdict on that growth.
 
         On one process they come from the probe pass's own forward (the ghosts output zero).
         Under DDP every rank scores the whole probe (not its shard) in one extra forward pass and
@@ -64,9 +65,8 @@ class RealizedGainMixin:
         if signatures is None or signatures.numel() != losses.numel():
             raise RuntimeError(f"probe: {losses.numel()} per-sample losses but fingerprints of "
                                f"{None if signatures is None else signatures.numel()} samples; the probe pass was cut short")
-        self._last_signatures = signatures
         if self.gain_reference is None:
-            return losses, None
+            return losses, signatures, None
         before = torch.tensor(self.gain_reference, dtype=torch.float64)
         stored = torch.tensor(self.gain_signature, dtype=torch.float64) if self.gain_signature is not None else None
         mismatch = signature_mismatch(stored, signatures) if stored is not None else None
@@ -82,7 +82,7 @@ class RealizedGainMixin:
         # the bootstrap's seed follows the check index: the same losses give the same bound on
         # every rank and after a resume
         gain = gain_test(before, losses, min_gain=self.min_gain, level=level, seed=self.seed * 1000 + self.checks)
-        return losses, {**dec.gain_verdict(gain).to_dict(), **gain}
+        return losses, signatures, {**dec.gain_verdict(gain).to_dict(), **gain}
 
     def _restore(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module) -> dict:
         """Undo the growth that did not pay: the network of the check before it, restored."""

@@ -227,7 +227,6 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         self._pass_losses: list | None = None  # per-sample probe losses from the last pass (min_gain)
         self._pass_probe: Fingerprinted | None = None  # the last pass's probe, with its sample fingerprints
         self._can_restore = True  # restore_best under this strategy (not FSDP2 yet)
-        self._last_signatures: torch.Tensor | None = None  # fingerprints of the last check's probe samples
         self._fit_start = 0.0
         self._returned: torch.Tensor | None = None  # sum of this epoch's losses returned by training_step
         self._returned_batches = 0
@@ -463,29 +462,25 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
                 max_params=self.max_params, reason=report.reason,
             )  # fmt: skip
             if self.min_gain is not None:
-                losses, gain = self._last_growth_paid(trainer, pl_module, network, record["level"])
-                if gain is not None:  # after a growth its realized gain decides; the rule picks the site
-                    record["gain"] = gain
-                    best = dec.best_scored_site(report)
+                losses, signatures, gain = self._last_growth_paid(trainer, pl_module, network, record["level"])
+                trial = gain is None and self.trial_growth and action == "saturated"
+                if gain is not None or trial:  # the realized gain decides (now or, for a trial, next check);
+                    best = dec.best_scored_site(report)  # the rule's best score only chooses the site
+                    if gain is not None:
+                        record["gain"] = gain
+                        saturated, why = gain["saturated"], gain["reason"]
+                    else:
+                        saturated = best is None
+                        why = reason if best is None else (
+                            f"trial growth (trial_growth=True): {reason}; its realized gain decides at the next check")
                     action, reason, sites = dec.decide_growth(
-                        saturated=gain["saturated"], ranked=[best] if best else [], growths=self.growths,
+                        saturated=saturated, ranked=[best] if best else [], growths=self.growths,
                         block_params={best: telemetry.count_params(report.record(best).block)} if best else {},
                         max_growths=self.max_growths, depth=depth, max_blocks=self.max_blocks, params=params,
-                        max_params=self.max_params, reason=gain["reason"],
-                    )  # fmt: skip
-                elif self.trial_growth and action == "saturated" and dec.best_scored_site(report) is not None:
-                    # no growth to judge yet: the first-order test only chooses the site; the
-                    # trial block's realized gain decides at the next check (restore_best undoes it)
-                    best = dec.best_scored_site(report)
-                    action, reason, sites = dec.decide_growth(
-                        saturated=False, ranked=[best], growths=self.growths, max_growths=self.max_growths,
-                        block_params={best: telemetry.count_params(report.record(best).block)}, depth=depth,
-                        max_blocks=self.max_blocks, params=params, max_params=self.max_params,
-                        reason=f"trial growth (trial_growth=True): {reason}; its realized gain decides at the next check",
+                        max_params=self.max_params, reason=why,
                     )  # fmt: skip
                 if action == "grow":  # the function is preserved: these are the new stage's starting losses
-                    self.gain_reference = losses.tolist()
-                    self.gain_signature = self._last_signatures.tolist()
+                    self.gain_reference, self.gain_signature = losses.tolist(), signatures.tolist()
         if action != "grow" and (record.get("gain") or {}).get("saturated") and self.snapshot:
             record["restored"] = self._restore(trainer, pl_module, network)
             reason = f"{reason}; {record['restored']['what']}"
@@ -511,6 +506,7 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         """Growth has ended: stop, continue at this depth, or start the final anneal (unless the
         stage anneal before this check already annealed the final network)."""
         self.finished, self.stop_reason = why, reason
+        self.snapshot = None  # no later verdict can restore it: free the host copy (and the checkpoint's)
         if self.on_saturated == "anneal" and annealed:
             trainer.should_stop = True
             rank_zero_info(f"GrowUntilSaturated: growth ended ({why}) on the annealed network; stopping")

@@ -222,9 +222,9 @@ class Fingerprinted:
 
         parts = []
         for batch in self.loader:
-            parts.append(sample_signatures(batch))
+            parts.append(sample_signatures(batch))  # on the batch's device: no host copy per batch
             yield batch
-        self.signatures = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        self.signatures = torch.cat(parts).cpu() if parts else torch.zeros(0, dtype=torch.float64)
 
 
 def random_order(loader: Any) -> str | None:

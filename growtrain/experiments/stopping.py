@@ -124,21 +124,25 @@ class StoppingResult:
         return self.table()
 
 
+def _config_with(grow: GrowUntilSaturated, **changes) -> GrowthConfig:
+    """``grow``'s options with ``changes``; ``every_n_epochs`` back to "not given" while a monitor
+    decides (``replace`` re-validates, and a given one would be warned about as having no effect)."""
+    every = grow.config.every_n_epochs if grow.config.monitor is None else None
+    return replace(grow.config, every_n_epochs=every, **changes)
+
+
 def _scratch_grower(grow: GrowUntilSaturated) -> GrowUntilSaturated:
     """The growth run's final-stage stopping rule with no growth: the same options, ``max_growths=0``."""
-    # every_n_epochs back to "not given" when a monitor decides (given with one, it is warned about)
-    every = grow.config.every_n_epochs if grow.config.monitor is None else None
-    config = replace(grow.config, max_growths=0, verbose=False, every_n_epochs=every)
-    return GrowUntilSaturated(**{name: getattr(config, name) for name in GrowthConfig.names()} | {"every_n_epochs": every})
+    config = _config_with(grow, max_growths=0, verbose=False)
+    options = {name: getattr(config, name) for name in GrowthConfig.names()}
+    # the config normalises a missing every_n_epochs to 1: pass "not given" again under a monitor
+    return GrowUntilSaturated(**options | {"every_n_epochs": options["every_n_epochs"] if grow.config.monitor is None else None})
 
 
 def _seeded_grower(grow: GrowUntilSaturated, seed: int) -> GrowUntilSaturated:
     """The configured growth callback with candidate blocks seeded by ``seed`` (a fresh copy per run)."""
     runner = copy.deepcopy(grow)
-    # every_n_epochs back to "not given" under a monitor (replace re-validates: no false warning)
-    every = runner.config.every_n_epochs if runner.config.monitor is None else None
-    runner.config = replace(runner.config, seed=seed, every_n_epochs=every)
-    runner.seed = seed
+    runner.config, runner.seed = _config_with(grow, seed=seed), seed
     return runner
 
 
