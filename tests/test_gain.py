@@ -185,7 +185,7 @@ def _fit(min_gain, tmp_path, rule="paper", extra=(), max_epochs=20, ckpt=None, d
     L.seed_everything(0)
     # the paper's rule with a tiny t always grows: only min_gain can end growth here
     kw = ({"t": 1e-12} if rule == "paper" else {}) | {"max_growths": 3} | kw
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, rule=rule, min_gain=min_gain,
+    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, rule=rule, min_gain=min_gain, decision="gain",
                               lr_schedule="anneal", anneal_epochs=1, on_saturated="anneal", verbose=False, **kw)  # fmt: skip
     checkpoints = [L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1,
                                                        save_on_train_epoch_end=True)] if ckpt is not None else []  # fmt: skip
@@ -260,7 +260,7 @@ def test_the_losses_at_the_last_growth_survive_a_checkpoint_in_order(tmp_path):
     assert len(reference) == len(signature) == 120 and len(set(reference)) > 100  # non-constant
     torch.save({"callbacks": {"grow": state}}, tmp_path / "state.ckpt")
     loaded = torch.load(tmp_path / "state.ckpt", weights_only=True)["callbacks"]["grow"]
-    again = GrowUntilSaturated(min_gain=0.0)
+    again = GrowUntilSaturated(min_gain=0.0, decision="gain")
     again.load_state_dict(loaded)
     assert again.gain_reference == reference and again.gain_signature == signature
 
@@ -431,7 +431,7 @@ def test_a_probe_that_changes_between_checks_is_a_clear_error(tmp_path, change, 
                 state["changed"] = True
 
     grow = GrowUntilSaturated(probe=probe, monitor=None, every_n_epochs=1, rule="paper", t=1e-12, min_gain=0.0,
-                              verbose=False)  # fmt: skip
+                              decision="gain", verbose=False)  # fmt: skip
     trainer = L.Trainer(max_epochs=4, callbacks=[grow, ChangeAfterFirstGrowth()], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0)  # fmt: skip
@@ -454,7 +454,8 @@ def test_a_fixed_probe_callable_passes_every_check(tmp_path):
     dm.setup("fit")
     x, y = (torch.cat(t) for t in zip(*dm.probe_dataloader()))
     grow = GrowUntilSaturated(probe=lambda: DataLoader(TensorDataset(x, y), batch_size=32), monitor=None,
-                              every_n_epochs=1, rule="paper", t=1e-12, min_gain=0.0, max_growths=2, verbose=False)  # fmt: skip
+                              every_n_epochs=1, rule="paper", t=1e-12, min_gain=0.0, max_growths=2, decision="gain",
+                              verbose=False)  # fmt: skip
     trainer = L.Trainer(max_epochs=3, callbacks=[grow], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
     trainer.fit(ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic"), dm)

@@ -37,6 +37,8 @@ from growtrain.callbacks.gain_check import RealizedGainMixin
 from growtrain.callbacks.growth_state import GrowthStateMixin
 from growtrain.callbacks.monitor import StageMonitorMixin
 from growtrain.callbacks.restore import take_snapshot
+from growtrain.callbacks.trial_check import BlockTrials
+from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_HOLDOUT, DEFAULT_TRIAL_LR
 from growtrain.callbacks.probe_data import (
     Converted as _Converted, Fingerprinted, ProbeView, check_split_indices, datasets_of, eval_output, first_input,
     probe_overlap,
@@ -150,6 +152,12 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             site even when the first-order test does not certify a gain; that block's realized
             gain then decides (and ``restore_best`` undoes it if it did not pay). The first-order
             scores then only choose the site. Costs one more stage where depth stops paying.
+        decision: ``"trial"`` (``None`` with ``min_gain`` set): every check trains a fresh block
+            alone at the best first-order site of each stage (``trial_sites``) for
+            ``trial_epochs`` (Adam, ``trial_lr``) and grows where the held-out loss (probe plus
+            ``trial_holdout`` training samples) fell by a certified > ``min_gain``
+            (growtrain/callbacks/trial_check.py). ``"gain"``: a stage's realized gain decides
+            after a growth. ``"rule"`` (``min_gain=None``): the first-order rule alone.
         top_k: grow at up to this many distinct certified sites per check.
         max_growths, max_blocks, max_params: budgets; reaching one ends growth (reason "budget").
         on_saturated: when growth ends, ``"stop"`` ends ``fit`` (saturated) ; ``"continue"`` keeps
@@ -201,6 +209,11 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         alpha_spending: Literal["constant", "geometric", "inverse_square"] = "constant",
         restore_best: bool = True,
         trial_growth: bool = False,
+        decision: Literal["trial", "gain", "rule"] | None = None,
+        trial_epochs: float = DEFAULT_TRIAL_EPOCHS,
+        trial_lr: float = DEFAULT_TRIAL_LR,
+        trial_holdout: int = DEFAULT_TRIAL_HOLDOUT,
+        trial_sites: int = 3,
         top_k: int = 1,
         max_growths: int | None = None,
         max_blocks: int | None = None,
@@ -222,6 +235,10 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             setattr(self, "network_spec" if name == "network" else name, getattr(self.config, name))
         self._network: nn.Module | None = None
         self._loss: Callable | None = None
+        self._decision_given = decision is not None
+        self._trials = BlockTrials(epochs=self.trial_epochs, lr=self.trial_lr, holdout=self.trial_holdout,
+                                   sites=self.trial_sites, min_gain=self.min_gain or 0.0,
+                                   seed=self.seed) if self.decision == "trial" else None  # fmt: skip
         self._reset_state()
         self.probe_seconds = 0.0  # wall time inside measure_saturation, this process (not saved)
         self._pass_losses: list | None = None  # per-sample probe losses from the last pass (min_gain)
@@ -239,9 +256,17 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             return
         self._check_strategy(trainer)
         self._network = self._resolve_network(pl_module, required=not self._builds_late(pl_module))
+        if sharded.is_model_parallel(trainer.strategy) and self.decision == "trial":
+            why = ("decision: 'trial' (block-only trials) is not supported under FSDP2 (ModelParallelStrategy) yet: "
+                   "a trial block would need its own sharding inside a frozen sharded network")  # fmt: skip
+            if self._decision_given:
+                raise ValueError(f"{why}. Fix: pass decision='gain' (the stage's realized gain) under FSDP2.")
+            rank_zero_warn(f"GrowUntilSaturated: {why}; this fit decides by decision='gain' instead. Pass "
+                           "decision='gain' to acknowledge this.")  # fmt: skip
+            self.decision, self._trials = "gain", None
         if sharded.is_model_parallel(trainer.strategy):  # resume: grow to the checkpoint's depth before shards load
             sharded.install_resume(trainer, lambda: self._network or self._resolve_network(pl_module, required=True))
-            if self.restore_best and self.min_gain is not None:  # undoing a sharded growth is not built yet
+            if self.restore_best and self.decision == "gain":  # undoing a sharded growth is not built yet
                 self._can_restore = False
                 rank_zero_warn("GrowUntilSaturated: restore_best is not supported under FSDP2 (ModelParallelStrategy) "
                                "yet: an unpaid last block will be kept, not undone. Pass restore_best=False to "
@@ -461,7 +486,9 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
                 max_growths=self.max_growths, depth=depth, max_blocks=self.max_blocks, params=params,
                 max_params=self.max_params, reason=report.reason,
             )  # fmt: skip
-            if self.min_gain is not None:
+            if self.decision == "trial":
+                action, reason, sites = self._trial_decision(trainer, pl_module, network, report, record, depth, params)
+            elif self.decision == "gain":
                 losses, signatures, gain = self._last_growth_paid(trainer, pl_module, network, record["level"])
                 trial = gain is None and self.trial_growth and action == "saturated"
                 if gain is not None or trial:  # the realized gain decides (now or, for a trial, next check);
@@ -486,7 +513,7 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             reason = f"{reason}; {record['restored']['what']}"
             annealed = annealed or bool(record["restored"]["annealed"])  # it was checked annealed: no second anneal
         if action == "grow":
-            if self.min_gain is not None and self.restore_best and self._can_restore:
+            if self.decision == "gain" and self.restore_best and self._can_restore:
                 self.snapshot = take_snapshot(
                     pl_module, network, self._optimizer_for(trainer, network), check=record["check"],
                     epoch=trainer.current_epoch, step=trainer.global_step, depth=depth, annealed=annealed,
@@ -496,11 +523,28 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             self._finish(trainer, "saturated" if action == "saturated" else "budget", reason, annealed)
         record.update(telemetry.check_record(report, action, reason, sites, network, self._depth(network),
                                              self.log_sites))  # fmt: skip
-        if "gain" in record and isinstance(record.get("verdicts"), dict):
-            record["verdicts"]["gain"] = record["gain"]
+        if isinstance(record.get("verdicts"), dict):
+            for key in ("gain", "trial"):
+                if key in record:
+                    record["verdicts"][key] = record[key]
         self.history.append(telemetry.plain(record))
         self._emit(trainer, report, record)
         return action
+
+    def _trial_decision(self, trainer, pl_module, network, report, record, depth, params):
+        """decision='trial': block-only trials at the best site of each stage decide (trial_check.py)."""
+        self._pass_losses, self._pass_probe = None, None
+        verdict, trials = self._trials.run(trainer, pl_module, network, report, self._probe_loader(trainer, shard=False),
+                                           self._loss, record["level"])  # fmt: skip
+        record["trial"] = {"saturated": verdict.saturated, "site": verdict.site, "lower_frac": verdict.score,
+                           "min_gain": verdict.margin, "reason": verdict.reason, "trials": trials}  # fmt: skip
+        site = verdict.site
+        return dec.decide_growth(
+            saturated=verdict.saturated, ranked=[site] if site else [], growths=self.growths,
+            block_params={site: telemetry.count_params(report.record(site).block)} if site else {},
+            max_growths=self.max_growths, depth=depth, max_blocks=self.max_blocks, params=params,
+            max_params=self.max_params, reason=verdict.reason,
+        )  # fmt: skip
 
     def _finish(self, trainer: Trainer, why: str, reason: str, annealed: bool = False) -> None:
         """Growth has ended: stop, continue at this depth, or start the final anneal (unless the
@@ -533,14 +577,14 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         size = probe_size(loader) if self.rule != "paper" else None
         # min_gain's per-sample losses come from this pass's own forward on one process; under
         # DDP each rank sees only its shard, so _last_growth_paid scores the whole probe instead
-        self._pass_losses = [] if self.min_gain is not None and trainer.world_size == 1 else None
+        self._pass_losses = [] if self.decision == "gain" and trainer.world_size == 1 else None
         self._pass_probe = Fingerprinted(loader) if self._pass_losses is not None else None
         start = time.perf_counter()
         report = measure_saturation(
             ProbeView(pl_module, network), _Converted(self._pass_probe or loader, trainer), self._loss, delta=self.delta, alpha=level,
             t=self.t, projected=self.projected, rule=self.rule, tau=self.tau, seed=self.seed * 1000 + self.checks,
             calibrate=self.calibrate, autocast_dtype=self._autocast_dtype(trainer), sync_fn=sync_fn, probe_size=size,
-            sample_losses=self._pass_losses,
+            sample_losses=self._pass_losses, variance=True,  # every check reports the paper's Γ̂ against δ+t
         )  # fmt: skip
         self.probe_seconds += time.perf_counter() - start
         self.checks += 1

@@ -16,12 +16,17 @@ from torch.utils.data import DataLoader
 
 from growtrain.decision import DEFAULT_MIN_GAIN, DEFAULT_RULE, DEFAULT_TAU, RULES, check_min_gain, check_tau
 from growtrain.reconfigure import LR_SCHEDULES as _SCHEDULER_MODES
+from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_HOLDOUT, DEFAULT_TRIAL_LR
 
-__all__ = ["GrowthConfig", "ON_SATURATED", "ALPHA_SPENDING", "MODES", "LR_SCHEDULES"]
+__all__ = ["GrowthConfig", "ON_SATURATED", "ALPHA_SPENDING", "MODES", "LR_SCHEDULES", "DECISIONS"]
 
 ON_SATURATED = ("stop", "continue", "anneal")
 ALPHA_SPENDING = ("constant", "geometric", "inverse_square")  # growtrain.crossfit.alpha_schedule's names
 MODES = ("min", "max")
+# "trial": every check trains candidate blocks alone and grows iff one certifies min_gain (the default,
+# docs/decision.md); "gain": the first-order rule (or a trial growth) first, then the stage's realized gain;
+# "rule": the first-order rule alone.
+DECISIONS = ("trial", "gain", "rule")
 # "continue"/"restart": what the user's schedulers do after a growth; "anneal": the callback drives
 # the learning rate itself (constant per stage, a cosine anneal before each check, back up after a growth).
 LR_SCHEDULES = (*_SCHEDULER_MODES, "anneal")
@@ -75,6 +80,11 @@ class GrowthConfig:
     alpha_spending: Literal["constant", "geometric", "inverse_square"] = "constant"
     restore_best: bool = True
     trial_growth: bool = False
+    decision: Literal["trial", "gain", "rule"] | None = None
+    trial_epochs: float = DEFAULT_TRIAL_EPOCHS
+    trial_lr: float = DEFAULT_TRIAL_LR
+    trial_holdout: int = DEFAULT_TRIAL_HOLDOUT
+    trial_sites: int = 3
     top_k: int = 1
     max_growths: int | None = None
     max_blocks: int | None = None
@@ -150,10 +160,30 @@ class GrowthConfig:
         if self.trial_growth and self.min_gain is None:
             raise _bad("trial_growth", "min_gain set (a trial growth is judged by its realized gain)", self.min_gain,
                        "pass min_gain=0.01 with trial_growth=True, or trial_growth=False")  # fmt: skip
+        self._check_decision()
         for name in ("min_delta", "min_rel_delta", "delta", "alpha"):
             object.__setattr__(self, name, float(getattr(self, name)))
         if budget is not None:
             object.__setattr__(self, "probe_budget", float(budget))
+
+    def _check_decision(self) -> None:
+        decision = self.decision
+        if decision is None:  # min_gain=None asks for the first-order rule alone; trial_growth for the stage gain
+            decision = "rule" if self.min_gain is None else "gain" if self.trial_growth else "trial"
+        _choice("decision", decision, DECISIONS)
+        if decision in ("trial", "gain") and self.min_gain is None:
+            raise _bad("decision", "min_gain set (the gain a block must certify)", f"{decision!r} with min_gain=None",
+                       "pass min_gain=0.01, or decision='rule'")  # fmt: skip
+        if decision == "trial" and self.trial_growth:
+            raise _bad("trial_growth", "False with decision='trial' (every check already tries blocks)", True,
+                       "drop trial_growth, or pass decision='gain'")  # fmt: skip
+        object.__setattr__(self, "decision", decision)
+        for name, value in (("trial_epochs", self.trial_epochs), ("trial_lr", self.trial_lr)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise _bad(name, "a finite number > 0", value, f"pass {name}={getattr(GrowthConfig, name)}")
+            object.__setattr__(self, name, float(value))
+        _int("trial_holdout", self.trial_holdout, 0)
+        _int("trial_sites", self.trial_sites, 1)
 
     @classmethod
     def names(cls) -> list[str]:

@@ -49,6 +49,8 @@ class GrowthStateMixin:
                      gain_signature=self.gain_signature)  # fmt: skip
         state = telemetry.plain(state)
         state["snapshot"] = self.snapshot  # tensors: torch.save keeps them as they are
+        if getattr(self, "_trials", None) is not None:  # the trial collaborator's own state
+            state["trials"] = self._trials.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -69,3 +71,5 @@ class GrowthStateMixin:
         signature = state_dict.get("gain_signature")
         self.gain_signature = None if signature is None else [float(v) for v in signature]
         self.snapshot = state_dict.get("snapshot")
+        if getattr(self, "_trials", None) is not None:
+            self._trials.load_state_dict(state_dict.get("trials", {}))

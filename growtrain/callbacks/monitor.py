@@ -35,8 +35,12 @@ class StageMonitorMixin:
         return int(batches) * int(size) * trainer.world_size
 
     def _warn_small_probe(self, trainer: Trainer) -> None:
-        """Warn once, before training, when a gain of ``min_gain`` is not detectable with this probe at level α."""
-        if self.min_gain is None:
+        """Warn once, before training, when a gain of ``min_gain`` is not detectable with this probe at level α.
+
+        Only for ``decision="gain"``: the figure behind the warning is the spread of a whole stage's
+        per-sample differences (≈ the probe loss). A block-only trial's are 2–10× tighter and it
+        scores held-back training samples beside the probe (docs/decision.md)."""
+        if self.min_gain is None or self.decision != "gain":
             return
         try:
             n = self._probe_samples(trainer)

@@ -20,7 +20,9 @@ from torch import nn
 from growtrain.saturation import SaturationReport
 
 __all__ = ["plain", "count_params", "check_record", "log_check", "history_path", "write_history",
-           "print_renderable", "check_table", "fit_summary"]  # fmt: skip
+           "print_renderable", "check_table", "fit_summary", "final_metrics", "SUMMARY_KEYS"]  # fmt: skip
+
+SUMMARY_KEYS = ("train_loss", "val_loss", "train_acc", "val_acc")  # the end-of-fit summary's final metrics
 
 
 def plain(value: Any) -> Any:
@@ -141,18 +143,22 @@ def _fmt(value: Any, spec: str = ".4g") -> str:
 
 def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: int | None, finished: str | None,
                 stop_reason: str | None, metrics: dict[str, float], probe_seconds: float,
-                fit_seconds: float, no_check: str | None = None, outputs: list[str] | None = None) -> Any:  # fmt: skip
+                fit_seconds: float, no_check: str | None = None, outputs: list[str] | None = None,
+                measured_on: str | None = None) -> Any:  # fmt: skip
     """One screen at the end of a fit: depth start → final, each growth, why it stopped, final
     losses, the probe's share of the run time and where the outputs are. A fit with no check
-    (``no_check``: why) is a few lines of text instead of an empty table."""
+    (``no_check``: why) is a few lines of text instead of an empty table. ``measured_on``: what
+    ``metrics`` were measured on when it is not the last epoch's training (a restored network,
+    :func:`final_metrics`)."""
     from rich.table import Table
 
     losses = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
+    final = f"final ({measured_on})" if measured_on else "final"
     if not history:
         lines = [f"GrowUntilSaturated: depth {_fmt(start_depth)} → {_fmt(final_depth)}: no growth check ran",
                  no_check or "no growth check ran in this fit"]  # fmt: skip
         if losses:
-            lines.append(f"final: {losses}")
+            lines.append(f"{final}: {losses}")
         return "\n".join(lines + list(outputs or []))
 
     table = Table(title=f"GrowUntilSaturated: depth {_fmt(start_depth)} → {_fmt(final_depth)}", title_justify="left")
@@ -179,11 +185,17 @@ def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: in
                          min_width=9 if col == "action" else None)  # fmt: skip
     for h in history:
         table.add_row(*(cells[c](h) for c in columns))
+    # "certified saturation" only where the verdict certified it (an upper bound below the margin);
+    # otherwise the stop is "no certified gain", and the reason gives the evaluation set's resolution
+    reason = str(stop_reason or "")
+    certified = "certified saturation" in reason or not reason.startswith(("saturated: no block", "stopped, not"))
     why = {None: "growth had not ended when the fit stopped (max_epochs or another callback)",
-           "saturated": "certified saturation", "budget": "a growth budget"}.get(finished, str(finished))  # fmt: skip
+           "saturated": "certified saturation" if certified else "the network is at chance level, not saturated"
+           if reason.startswith("stopped, not") else "no certified gain from more depth",
+           "budget": "a growth budget"}.get(finished, str(finished))  # fmt: skip
     lines = [f"stopped growing: {why}" + (f" — {stop_reason}" if stop_reason else "")]
     if losses:
-        lines.append(f"final: {losses}")
+        lines.append(f"{final}: {losses}")
     share = probe_seconds / fit_seconds if fit_seconds > 0 else float("nan")
     lines.append(f"probe: {probe_seconds:.1f} s of {fit_seconds:.1f} s ({100 * share:.1f} % of the fit)")
     table.caption = "\n".join(lines)
@@ -195,3 +207,22 @@ def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: in
 
     # below the table, unwrapped: a path is copied whole from the terminal
     return Group(table, *(Text(line) for line in outputs))
+
+
+def final_metrics(history: list[dict], callback_metrics: dict, global_step: int,
+                  keys: tuple[str, ...] = SUMMARY_KEYS) -> tuple[dict[str, float], str | None]:  # fmt: skip
+    """The numbers the end-of-fit summary calls final, and what they were measured on.
+
+    If the fit ended at the check that restored a network (no optimizer step since), they are
+    that network's metrics as ``remeasure.py`` measured them (the callback metrics still hold
+    some of the removed network's, e.g. ``train_acc``); otherwise the trainer's last callback
+    metrics, which training after the restore (a final anneal, ``on_saturated="continue"``)
+    has refreshed."""
+    last = history[-1] if history else {}
+    restored = last.get("restored") or {}
+    if restored.get("metrics") is not None and last.get("step") == global_step:
+        metrics = {k: float(v) for k, v in restored["metrics"].items() if k in keys}
+        where = (f"re-measured on the restored network of check {restored.get('check')} "
+                 f"(depth {restored.get('depth')}, eval mode)")  # fmt: skip
+        return metrics, where
+    return {k: float(v) for k, v in callback_metrics.items() if k in keys}, None

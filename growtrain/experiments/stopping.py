@@ -47,7 +47,8 @@ __all__ = ["StoppingResult", "run_stopping", "smallest_good_depth"]
 # never grows, so what happens to the learning rate around a growth, lr_schedule, does not touch it).
 DECISION_OPTIONS = ("rule", "tau", "alpha", "delta", "t", "alpha_spending", "top_k", "max_growths", "max_blocks",
                     "max_params", "calibrate", "projected", "seed", "log_sites", "probe_budget",
-                    "lr_schedule", "min_gain", "restore_best", "trial_growth")  # fmt: skip
+                    "lr_schedule", "min_gain", "restore_best", "trial_growth", "decision", "trial_epochs",
+                    "trial_lr", "trial_holdout", "trial_sites")  # fmt: skip
 
 
 def smallest_good_depth(by_depth: dict[int, list[float]]) -> tuple[int, int]:
@@ -143,6 +144,8 @@ def _seeded_grower(grow: GrowUntilSaturated, seed: int) -> GrowUntilSaturated:
     """The configured growth callback with candidate blocks seeded by ``seed`` (a fresh copy per run)."""
     runner = copy.deepcopy(grow)
     runner.config, runner.seed = _config_with(grow, seed=seed), seed
+    if runner._trials is not None:  # the trial blocks follow the run's seed too
+        runner._trials.seed = seed
     return runner
 
 
@@ -237,8 +240,12 @@ def _train(module, datamodule, kwargs, root: Path, keep, grower: GrowUntilSatura
            seed: int) -> dict:  # fmt: skip
     meter = ComputeMeter()
     trainer = sibling_trainer(kwargs, root, keep=keep, extra_callbacks=[meter, grower])
+    # A training cut short (a killed session) resumes from its last epoch checkpoint: the growth
+    # callback, the compute meter and the optimizer are in it, so the row is the one an
+    # uninterrupted run writes (its wall_s counts the resumed part only).
+    last = sorted((root / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
     start = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last[-1]) if last else None)
     wall = time.perf_counter() - start
     network = growable_of(module)
     blocks = network.depth()

@@ -1,0 +1,175 @@
+"""``BlockTrials``: the block-only trial decision of ``GrowUntilSaturated`` (``decision="trial"``).
+
+A collaborator with its own state, not a mixin: the callback hands it the trainer, the module,
+the network and the check's first-order report, and gets back a verdict (``growtrain.trial``
+decides). Per check it tries up to ``trial_sites`` sites — the best first-order site of each
+stage, best first — and for each: a fresh zero-output block goes in, is trained alone for
+``trial_epochs`` of the training loader's batches (Adam, cosine to 0), and each held-out
+sample's loss is compared with its loss before; then the block is taken out again, so the network
+is bit-for-bit what it was (the other parameters were frozen, every other module in eval mode,
+the trial's optimizer is its own). Held-out samples: the probe, plus the first
+``trial_holdout`` training samples of the trial's pass over the training loader, which the trial
+does not train on (at most a fifth of an epoch; docs/decision.md says why and what they add).
+
+Under DDP every rank trains the same block (its gradients are averaged) and rank 0's verdict is
+broadcast, so every rank takes the same action.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Iterator
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+
+from growtrain.callbacks.probe_data import Converted, ProbeView, per_sample_losses
+from growtrain.gain import sample_signatures
+from growtrain.trial import (
+    HOLDOUT_FRACTION, MIN_TRIAL_STEPS, at_chance, label_entropy, train_block, trial_test, trial_verdict,
+)  # fmt: skip
+
+__all__ = ["BlockTrials", "trial_candidates"]
+
+
+def trial_candidates(report: Any, limit: int) -> list[str]:
+    """The best first-order site of each stage (by lower bound, else ``‖ĝ‖``), best first."""
+    key = (lambda r: r.lower) if all(r.lower is not None for r in report.sites) else (lambda r: r.grad_norm)
+    best: dict[str, Any] = {}
+    for r in report.sites:
+        stage = r.name.rpartition(".")[0] or r.name
+        if stage not in best or key(r) > key(best[stage]):
+            best[stage] = r
+    return [r.name for r in sorted(best.values(), key=key, reverse=True)][:limit]
+
+
+class BlockTrials:
+    """Runs one check's trials; keeps the seconds spent and the number of trials (checkpointed)."""
+
+    def __init__(self, *, epochs: float, lr: float, holdout: int, sites: int, min_gain: float, seed: int):
+        self.epochs, self.lr, self.holdout, self.sites = epochs, lr, holdout, sites
+        self.min_gain, self.seed = min_gain, seed
+        self.trials = 0  # trials run so far: seeds each trial's block and bootstrap
+        self.seconds = 0.0  # wall time in trials, this process
+
+    def state_dict(self) -> dict:
+        return {"trials": self.trials}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trials = int(state.get("trials", 0))
+
+    # -- batches -------------------------------------------------------------------------
+    @staticmethod
+    def _train_batches(trainer: Trainer, pl_module: LightningModule, held: list) -> Iterator[tuple[Any, Any]]:
+        """The training loader's batches as a training step receives them, pass after pass. The
+        first ones fill ``held`` (the trial's held-back samples); from the second pass on, those
+        samples are dropped from every batch (matched by their fingerprints), so a trial longer
+        than the rest of an epoch never trains on what it is scored on."""
+        loader = trainer.train_dataloader
+        if loader is None:
+            raise RuntimeError("decision='trial': the trainer has no training dataloader to train a trial block on")
+        exclude = None
+        while True:
+            empty = True
+            for batch in loader:
+                empty = False
+                batch = pl_module._call_batch_hook("on_before_batch_transfer", batch, 0)
+                batch = pl_module._apply_batch_transfer_handler(batch)
+                x, y = trainer.precision_plugin.convert_input(batch)[0], batch[-1]
+                if exclude is not None and isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+                    keep = ~torch.isin(sample_signatures((x, y)), exclude)
+                    if not bool(keep.any()):
+                        continue
+                    x, y = (x, y) if bool(keep.all()) else (x[keep], y[keep])
+                yield x, y
+            if empty:
+                return
+            if exclude is None and held:
+                exclude = torch.cat([sample_signatures(b) for b in held])
+
+    def _steps_and_holdout(self, trainer: Trainer) -> tuple[int, int]:
+        batches = trainer.num_training_batches
+        if not isinstance(batches, int) or not math.isfinite(batches) or batches < 1:
+            batches = len(trainer.train_dataloader)
+        steps = max(MIN_TRIAL_STEPS, int(round(self.epochs * batches)))  # small data: enough steps to learn
+        holdout_batches = min(int(HOLDOUT_FRACTION * batches), math.ceil(self.holdout / max(1, self._batch(trainer))))
+        return steps, max(0, holdout_batches) if self.holdout > 0 else 0
+
+    @staticmethod
+    def _batch(trainer: Trainer) -> int:
+        size = getattr(trainer.train_dataloader, "batch_size", None)
+        return int(size) if isinstance(size, int) and size > 0 else 1
+
+    # -- one check -----------------------------------------------------------------------
+    def run(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module, report: Any, probe: Any,
+            loss_fn: Any, level: float) -> tuple[Any, list[dict]]:  # fmt: skip
+        """Try the candidate sites; return ``(verdict, trials)`` (``growtrain.trial.trial_verdict``)."""
+        start = time.perf_counter()
+        device = next(network.parameters()).device
+        view = ProbeView(pl_module, network)
+        sites = trial_candidates(report, self.sites)
+        probe_before = per_sample_losses(view, Converted(probe, trainer), loss_fn, device)
+        steps, holdout_batches = self._steps_and_holdout(trainer)
+        sync = self._grad_sync(trainer)
+        trials = []
+        for site in sites:
+            trials.append(self._one(trainer, pl_module, network, view, site, probe, probe_before, loss_fn, device,
+                                    steps, holdout_batches, sync, level / max(1, len(sites))))  # fmt: skip
+        verdict = trial_verdict(trials, self.min_gain, chance=self._chance(trainer, probe, probe_before))
+        if trainer.world_size > 1:  # one decision on every rank: rank 0's
+            verdict, trials = trainer.strategy.broadcast((verdict, trials), src=0)
+        self.seconds += time.perf_counter() - start
+        return verdict, trials
+
+    def _one(self, trainer, pl_module, network, view, site, probe, probe_before, loss_fn, device, steps,
+             holdout_batches, sync, level) -> dict:  # fmt: skip
+        seed = self.seed * 100003 + self.trials
+        self.trials += 1
+        held: list = []
+        batches = self._train_batches(trainer, pl_module, held)
+        held.extend(next(batches) for _ in range(holdout_batches))  # the trial never trains on these
+        held_before = per_sample_losses(view, held, loss_fn, device) if held else torch.zeros(0, dtype=torch.float64)
+        log_len = len(network.growth_log)
+        block = network.grow(site, network.new_block(site, seed=seed))
+        try:
+            fit = train_block(view, pl_module, block, batches, loss_fn, steps=steps, lr=self.lr, sync_grads=sync)
+            if fit["diverged"]:
+                return {"site": site, "diverged": True, "steps": fit["steps"]}
+            probe_after = per_sample_losses(view, Converted(probe, trainer), loss_fn, device)
+            held_after = per_sample_losses(view, held, loss_fn, device) if held else torch.zeros(0, dtype=torch.float64)
+        finally:
+            network.undo_growth([block], log_len)  # bit-for-bit the network before the trial
+        before = torch.cat([probe_before, held_before])
+        after = torch.cat([probe_after, held_after])
+        test = trial_test(before, after, min_gain=self.min_gain, level=level, seed=seed)
+        probe_part = trial_test(probe_before, probe_after, min_gain=self.min_gain, level=level, seed=seed)
+        return {"site": site, "diverged": False, "steps": fit["steps"], "n_probe": probe_before.numel(),
+                "n_holdout": held_before.numel(), "probe_gain_frac": probe_part["gain_frac"], **test}  # fmt: skip
+
+    @staticmethod
+    def _chance(trainer: Trainer, probe: Any, losses: torch.Tensor) -> str | None:
+        """Why the network is at chance level (class targets only), else ``None``."""
+        targets = [batch[-1] for batch in Converted(probe, trainer)]
+        if not targets or not all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in targets):
+            return None
+        entropy = label_entropy(torch.cat([t.cpu() for t in targets]))
+        loss = float(losses.mean()) if losses.numel() else float("nan")
+        if not at_chance(loss, entropy):
+            return None
+        return (f"the network is at chance level (probe loss {loss:.4g} ≥ 90 % of the label entropy "
+                f"{entropy:.4g}): it has not learned, so depth is not the question — train longer or check the "
+                "data and learning rate")  # fmt: skip
+
+    @staticmethod
+    def _grad_sync(trainer: Trainer):
+        if trainer.world_size <= 1:
+            return None
+
+        def sync(grads):
+            for g in grads:
+                torch.distributed.all_reduce(g)
+                g.div_(trainer.world_size)
+
+        return sync

@@ -1,0 +1,177 @@
+"""The block-only trial: what is one more block, trained alone, worth to this network?
+
+Pure functions (no Lightning). A trial inserts a zero-output block at a site, freezes every
+other parameter (and keeps every other module in eval mode, so no BatchNorm statistic moves),
+trains the block alone for a short budget, and compares each held-out sample's loss after the
+trial with its loss before (the block starts at zero output, so "before" is the network as it
+is). It is the paper's definition of saturation made finite: a candidate is saturated when no
+zero-state update of the *inserted* parameters lowers the loss. Why this and not the realized
+gain of a whole stage: per-sample differences of a block-only trial are 2–10× less spread (the
+rest of the network does not move), and the stage's own training is not credited to the block
+(docs/decision.md, "The decision study").
+
+* :func:`train_block` — the trial's training loop (Adam, cosine to 0): scale-free, since Adam's
+  step does not grow with the loss's scale (an SGD step does), and a diverging trial is
+  reported (``diverged``), never raised.
+* :func:`trial_test` — the paired, one-sided bootstrap-t bounds (``growtrain.gain``) on the
+  trial's gain: ``lower`` (grow iff it exceeds ``min_gain`` × the loss) and ``upper``.
+* :func:`trial_verdict` — the decision over the sites tried (Bonferroni inside the check), with
+  the sentence that says what was certified.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from growtrain.decision import Verdict
+from growtrain.gain import gain_lower_bound, gain_test
+
+__all__ = ["DEFAULT_TRIAL_EPOCHS", "DEFAULT_TRIAL_LR", "DEFAULT_TRIAL_HOLDOUT", "train_block", "trial_test",
+           "trial_verdict", "label_entropy", "at_chance"]  # fmt: skip
+
+# Chosen by the decision study (docs/decision.md): half an epoch of Adam at 1e-3 per site.
+DEFAULT_TRIAL_EPOCHS = 0.5
+DEFAULT_TRIAL_LR = 1e-3
+# Training samples held back from each trial (its evaluation set beside the probe), at most this
+# fraction of an epoch: a trial of half an epoch then never trains on them.
+DEFAULT_TRIAL_HOLDOUT = 10000
+HOLDOUT_FRACTION = 0.2
+# A trial trains at least this many steps, however small the epoch (half an epoch of 2000 images
+# is 8 steps: too few for a block to show its worth).
+MIN_TRIAL_STEPS = 200
+
+
+def _cosine(step: int, steps: int) -> float:
+    return 0.5 * (1.0 + math.cos(math.pi * min(step, steps) / max(steps, 1)))
+
+
+def train_block(
+    forward: Callable[[Any], Any],
+    module: nn.Module,
+    block: nn.Module,
+    batches: Iterable[tuple[Any, Any]],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    *,
+    steps: int,
+    lr: float = DEFAULT_TRIAL_LR,
+    sync_grads: Callable[[Sequence[torch.Tensor]], None] | None = None,
+) -> dict:
+    """Train ``block`` (already inserted in ``module``) alone for ``steps`` batches.
+
+    Every other parameter of ``module`` is frozen and every other submodule is in eval mode
+    during the trial; flags and modes are restored afterwards, whatever happens. ``forward(x)``
+    is the model's forward (input to output), ``loss_fn(output, target)`` its mean batch loss.
+    ``sync_grads`` averages the block's gradients across processes (DDP), so every rank trains
+    the same block. Returns ``steps`` done, ``diverged`` (a non-finite loss or parameter: the
+    trial is then a failed trial), and the first and last batch losses."""
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps: expected an integer >= 1 (optimizer steps of the trial), got {steps!r}")
+    params = [p for p in block.parameters()]
+    ids = {id(p) for p in params}
+    flags = [(p, p.requires_grad) for p in module.parameters()]
+    modes = [(m, m.training) for m in module.modules()]
+    grads = [(p, p.grad) for p in params]
+    done, diverged, first, last = 0, False, None, None
+    try:
+        for p, _ in flags:
+            p.requires_grad_(id(p) in ids)
+        module.eval()
+        block.train()
+        optimizer = torch.optim.Adam(params, lr=lr)
+        for x, y in batches:
+            if done >= steps:
+                break
+            for group in optimizer.param_groups:
+                group["lr"] = lr * _cosine(done, steps)
+            loss = loss_fn(forward(x), y)
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                diverged = True
+                break
+            first = value if first is None else first
+            last = value
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if sync_grads is not None:
+                sync_grads([p.grad for p in params if p.grad is not None])
+            optimizer.step()
+            done += 1
+        if not diverged:
+            diverged = not all(bool(torch.isfinite(p.detach()).all()) for p in params)
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        for m, training in modes:
+            m.training = training
+        for p, grad in grads:  # the block is thrown away or replaced; leave no trial gradient behind
+            p.grad = grad
+    return {"steps": done, "diverged": diverged, "loss_first": first, "loss_last": last}
+
+
+def trial_test(before: torch.Tensor, after: torch.Tensor, *, min_gain: float, level: float, seed: int = 0) -> dict:
+    """The trial's gain ``b − a`` per held-out sample, with one-sided ``1 − level`` bootstrap-t
+    bounds: ``lower`` (``paid`` iff ``lower > min_gain · loss_before``) and ``upper`` (an upper
+    bound on the mean gain). Fractions of the loss: ``gain_frac``, ``lower_frac``, ``upper_frac``."""
+    out = gain_test(before, after, min_gain=min_gain, level=level, seed=seed)
+    upper = -gain_lower_bound(after.double() - before.double(), level, seed=seed + 1)
+    scale = out["loss_before"] if out["loss_before"] > 0 else float("nan")
+    out.update(upper=upper, gain_frac=out["mean"] / scale, lower_frac=out["lower"] / scale, upper_frac=upper / scale)
+    return out
+
+
+def label_entropy(targets: torch.Tensor) -> float | None:
+    """The loss of the best constant prediction (nats): the entropy of the empirical label
+    distribution, for 1-d integer class targets; ``None`` for any other target."""
+    if not isinstance(targets, torch.Tensor) or targets.dim() != 1 or targets.is_floating_point() or targets.numel() < 2:
+        return None
+    p = torch.bincount(targets.long().flatten().cpu()).double()
+    p = p[p > 0] / p.sum()
+    return float(-(p * p.log()).sum())
+
+
+def at_chance(loss: float, entropy: float | None, margin: float = 0.1) -> bool:
+    """Has the network not learned: its held-out loss within ``margin`` (10 %) of the best
+    constant prediction's?"""
+    return entropy is not None and entropy > 0 and loss >= (1.0 - margin) * entropy
+
+
+def trial_verdict(trials: Sequence[dict], min_gain: float, chance: str | None = None) -> Verdict:
+    """Grow at the tried site with the largest certified lower bound iff it beats ``min_gain``.
+
+    ``trials``: one dict per site with ``site`` and either the figures of :func:`trial_test`
+    or ``diverged=True``. The verdict's ``score`` is the best lower bound as a fraction of the
+    loss, ``margin`` is ``min_gain``. "certified saturation" only when every tried block's
+    upper bound is below ``min_gain``; otherwise the reason states the probe's resolution."""
+    usable = [t for t in trials if not t.get("diverged") and t.get("lower_frac") is not None]
+    failed = [t["site"] for t in trials if t.get("diverged")]
+    note = f"; trial(s) at {', '.join(failed)} diverged (failed trials, the network is as it was)" if failed else ""
+    if not usable:
+        return Verdict("trial", True, None, float("nan"), min_gain,
+                       f"saturated: no trial could be scored{note}")  # fmt: skip
+    best = max(usable, key=lambda t: t["lower_frac"])
+    level = best["level"]
+    if best["paid"]:
+        return Verdict("trial", False, best["site"], best["lower_frac"], min_gain,
+                       f"grow: the block at {best['site']} lowers the held-out loss by at least "
+                       f"{100 * best['lower_frac']:.2f} % (estimate {100 * best['gain_frac']:.2f} %, "
+                       f"{100 * (1 - level):.1f} % bound, n={best['n']}) > min_gain {100 * min_gain:.2f} %{note}")  # fmt: skip
+    top = max(usable, key=lambda t: t["upper_frac"])
+    tried = ", ".join(f"{t['site']} {100 * t['gain_frac']:+.2f} %" for t in usable)
+    if chance is not None:  # no depth question to answer: the network has not learned
+        return Verdict("trial", True, None, best["lower_frac"], min_gain,
+                       f"stopped, not saturated: {chance}; no block tried certified a gain above "
+                       f"{100 * min_gain:.2f} % [tried: {tried}]{note}")  # fmt: skip
+    if top["upper_frac"] < min_gain:
+        what = (f"certified saturation: no block tried lowers the held-out loss by more than {100 * min_gain:.2f} %; "
+                f"the best gains at most {100 * top['upper_frac']:.2f} % ({100 * (1 - level):.1f} %)")  # fmt: skip
+    else:
+        half = 100 * (top["upper_frac"] - top["lower_frac"]) / 2
+        what = (f"no block tried lowers the held-out loss by a certified more than {100 * min_gain:.2f} % "
+                f"(best lower bound {100 * best['lower_frac']:.2f} %); the best gains at most "
+                f"{100 * top['upper_frac']:.2f} % ({100 * (1 - level):.1f} %): not resolved below min_gain — "
+                f"this evaluation set resolves gains to about ±{half:.2f} % of the loss")  # fmt: skip
+    return Verdict("trial", True, None, best["lower_frac"], min_gain, f"saturated: {what} [tried: {tried}]{note}")

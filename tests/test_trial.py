@@ -1,0 +1,259 @@
+"""The block-only trial decision (``decision="trial"``, growtrain/trial.py and the callback's
+``BlockTrials``): a trial trains the inserted block alone, leaves the network bit for bit as it
+was, certifies what it says, fails softly when it diverges, and is scale-free."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks.trial_check import trial_candidates
+from growtrain.data import ImageDataModule
+from growtrain.module import ImageClassifier
+from growtrain.models import cifar_resnet
+from growtrain.trial import train_block, trial_test, trial_verdict
+
+
+def tiny_dm(**kw) -> ImageDataModule:
+    kw = dict(dataset="synthetic", image_size=8, synthetic_size=400, synthetic_classes=4, probe_size=120,
+              val_size=40, batch_size=32, augment=False) | kw  # fmt: skip
+    return ImageDataModule(**kw)
+
+
+def batches(n=12, seed=0, batch=16):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 3, 8, 8, generator=g), torch.randint(0, 4, (batch,), generator=g)) for _ in range(n)]
+
+
+def test_train_block_moves_only_the_block_and_restores_flags_and_modes():
+    torch.manual_seed(0)
+    net = cifar_resnet((1, 1, 1), 4, "basic", 3, 4)
+    net.train()
+    net.layer1[0].bn1.eval()  # a user's frozen BatchNorm stays in eval afterwards
+    net.stem.weight.requires_grad_(False)  # ... and a user's frozen parameter stays frozen
+    before = copy.deepcopy(net.state_dict())
+    modes = {name: m.training for name, m in net.named_modules()}
+    block = net.grow("layer2.1", net.new_block("layer2.1", seed=1))
+    block_before = copy.deepcopy(block.state_dict())
+    fit = train_block(net, net, block, iter(batches()), F.cross_entropy, steps=10, lr=1e-2)
+    assert fit["steps"] == 10 and not fit["diverged"]
+    assert any(not torch.equal(v, block_before[k]) for k, v in block.state_dict().items())
+    net.undo_growth([block], 0)
+    after = net.state_dict()
+    assert list(after) == list(before)
+    for key in before:  # every other parameter and BatchNorm statistic, bit for bit
+        assert torch.equal(after[key], before[key]), key
+    assert {name: m.training for name, m in net.named_modules()} == modes
+    assert not net.stem.weight.requires_grad and net.layer1[0].conv1.weight.requires_grad
+
+
+def test_train_block_trains_in_eval_mode_around_the_block():
+    """Other BatchNorms use their running statistics during the trial (their buffers do not
+    move); the block's own BatchNorms train."""
+    torch.manual_seed(0)
+    net = cifar_resnet((1, 1, 1), 4, "basic", 3, 4).train()
+    block = net.grow("layer1.1", net.new_block("layer1.1", seed=1))
+    seen = []
+    hook = net.layer2[0].bn1.register_forward_pre_hook(lambda m, a: seen.append(m.training))
+    inner = []
+    hook2 = block.bn1.register_forward_pre_hook(lambda m, a: inner.append(m.training))
+    train_block(net, net, block, iter(batches(3)), F.cross_entropy, steps=3)
+    hook.remove(), hook2.remove()
+    assert seen == [False] * 3 and inner == [True] * 3
+
+
+def test_a_diverging_trial_is_a_failed_trial_not_a_crash():
+    torch.manual_seed(0)
+    net = cifar_resnet((1, 1, 1), 4, "basic", 3, 4)
+
+    def bad_loss(out, y):  # a loss that blows up once the block moves
+        return F.cross_entropy(out, y) * (math.inf if calls.append(1) or len(calls) > 2 else 1.0)
+
+    calls: list = []
+    block = net.grow("layer2.1", net.new_block("layer2.1", seed=1))
+    fit = train_block(net, net, block, iter(batches()), bad_loss, steps=10)
+    assert fit["diverged"] and fit["steps"] == 2
+    assert all(p.requires_grad for p in net.parameters())
+
+
+def test_trial_test_matches_an_independent_computation():
+    g = torch.Generator().manual_seed(0)
+    before = 0.5 + torch.rand(4000, generator=g, dtype=torch.float64)
+    after = before * 0.95 + 0.01 * torch.randn(4000, generator=g, dtype=torch.float64)
+    out = trial_test(before, after, min_gain=0.01, level=0.05, seed=0)
+    d = before - after
+    assert out["mean"] == pytest.approx(float(d.mean()), rel=1e-12)
+    assert out["gain_frac"] == pytest.approx(float(d.mean() / before.mean()), rel=1e-12)
+    se = float(d.std()) / math.sqrt(d.numel())
+    # bootstrap-t bounds sit within a few % of the normal ones on a near-symmetric difference
+    assert out["lower"] == pytest.approx(float(d.mean()) - 1.645 * se, abs=0.3 * se)
+    assert out["upper"] == pytest.approx(float(d.mean()) + 1.645 * se, abs=0.3 * se)
+    assert out["paid"] and out["lower_frac"] > 0.01
+
+
+def test_the_verdict_says_what_it_certified():
+    grow = {"site": "layer2.1", "paid": True, "lower_frac": 0.02, "gain_frac": 0.03, "upper_frac": 0.04, "level": 0.0167, "n": 12000}
+    small = {"site": "layer3.1", "paid": False, "lower_frac": 0.001, "gain_frac": 0.003, "upper_frac": 0.005, "level": 0.0167, "n": 12000}
+    wide = {"site": "layer1.1", "paid": False, "lower_frac": -0.01, "gain_frac": 0.005, "upper_frac": 0.02, "level": 0.0167, "n": 500}
+    v = trial_verdict([small, grow], 0.01)
+    assert not v.saturated and v.site == "layer2.1" and "lowers the held-out loss by at least 2.00 %" in v.reason
+    v = trial_verdict([small], 0.01)
+    assert v.saturated and "certified saturation" in v.reason and "at most 0.50 %" in v.reason
+    v = trial_verdict([small, wide], 0.01)
+    assert v.saturated and "certified saturation" not in v.reason and "not resolved" in v.reason
+    v = trial_verdict([{"site": "layer1.1", "diverged": True}, small], 0.01)
+    assert v.saturated and "diverged" in v.reason
+
+
+def test_candidates_are_the_best_site_of_each_stage_best_first():
+    class R:
+        def __init__(self, name, lower):
+            self.name, self.lower, self.grad_norm = name, lower, 0.0
+
+    class Rep:
+        sites = [R("layer1.0", 0.1), R("layer1.1", 0.3), R("layer2.1", 0.5), R("layer3.1", -0.2), R("layer3.2", 0.0)]
+
+    assert trial_candidates(Rep(), 3) == ["layer2.1", "layer1.1", "layer3.2"]
+    assert trial_candidates(Rep(), 1) == ["layer2.1"]
+
+
+def test_adam_trials_are_scale_free_and_sgd_ones_are_not():
+    """loss × 10: Adam's steps do not change (up to its eps), so the trained block and every gain
+    fraction match; SGD's steps grow tenfold (the broken variant) and the block differs."""
+
+    def trained(scale, optimizer):
+        torch.manual_seed(0)
+        net = cifar_resnet((1, 1, 1), 4, "basic", 3, 4)
+        block = net.grow("layer2.1", net.new_block("layer2.1", seed=3))
+        start = torch.cat([p.detach().flatten() for p in block.parameters()])
+        loss = lambda o, y: scale * F.cross_entropy(o, y)  # noqa: E731
+        if optimizer == "adam":
+            train_block(net, net, block, iter(batches()), loss, steps=10, lr=1e-2)
+        else:  # the broken variant: the same loop with SGD's step
+            for p in net.parameters():
+                p.requires_grad_(False)
+            for p in block.parameters():
+                p.requires_grad_(True)
+            opt = torch.optim.SGD(block.parameters(), lr=1e-2)
+            for x, y in batches():
+                opt.zero_grad()
+                loss(net(x), y).backward()
+                opt.step()
+        return torch.cat([p.detach().flatten() for p in block.parameters()]) - start
+
+    def relative_change(optimizer):  # how much the block's update moves when the loss is ×10
+        one, ten = trained(1.0, optimizer), trained(10.0, optimizer)
+        return float((one - ten).norm() / one.norm())
+
+    assert relative_change("adam") < 0.05  # Adam's eps is the only scale it sees
+    assert relative_change("sgd") > 1.0  # the broken variant: a tenfold step
+
+
+class Guard(L.Callback):
+    pass
+
+
+def fit_trial(tmp_path, **kw):
+    L.seed_everything(0)
+    kw = {"max_growths": 2, "min_gain": 0.01, "trial_epochs": 0.5} | kw
+    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, lr_schedule="anneal", anneal_epochs=1,
+                              on_saturated="anneal", verbose=False, **kw)  # fmt: skip
+    trainer = L.Trainer(max_epochs=8, callbacks=[grow], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                        default_root_dir=tmp_path)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))  # fmt: skip
+    return grow, model, trainer
+
+
+def test_the_callbacks_trials_leave_the_network_bit_for_bit(tmp_path, monkeypatch):
+    """Through the product's own path: the state (weights and BatchNorm statistics), the growth
+    record and the optimizer are what they were before the trials of every check."""
+    grow, model, trainer = fit_trial(tmp_path, min_gain=5.0)  # 500 %: no trial can pay
+    seen = []
+    original = type(grow._trials).run
+
+    def run(self, trainer, pl_module, network, *args):
+        state = copy.deepcopy(pl_module.state_dict())
+        log = list(network.growth_log)
+        opt = copy.deepcopy(trainer.optimizers[0].state_dict())
+        out = original(self, trainer, pl_module, network, *args)
+        after = pl_module.state_dict()
+        seen.append(list(after) == list(state) and all(torch.equal(after[k], state[k]) for k in state)
+                    and network.growth_log == log and str(trainer.optimizers[0].state_dict()) == str(opt))
+        return out
+
+    monkeypatch.setattr(type(grow._trials), "run", run)
+    trainer.fit(model, tiny_dm())
+    assert seen == [True] and grow.history[0]["action"] == "saturated"
+    assert len(grow.history[0]["trial"]["trials"]) == 3  # one site per stage
+    assert model.network.depth() == 3
+
+
+def test_the_trial_decision_grows_and_reports_every_verdict(tmp_path):
+    grow, model, trainer = fit_trial(tmp_path, min_gain=0.0, max_growths=1)
+    trainer.fit(model, tiny_dm())
+    first = grow.history[0]
+    assert first["action"] == "grow" and first["site"] == first["trial"]["site"]
+    assert model.network.depth() == 4
+    verdicts = first["verdicts"]
+    assert {"paper", "crossfit", "trial"} <= set(verdicts)
+    assert first["gamma"] is not None and first["threshold"] is not None  # Γ̂ against δ+t at every check
+
+
+@pytest.mark.parametrize("kw, arg", [
+    ({"decision": "guess"}, "decision"),
+    ({"decision": "trial", "min_gain": None}, "decision"),
+    ({"decision": "trial", "trial_growth": True}, "trial_growth"),
+    ({"trial_epochs": 0}, "trial_epochs"),
+    ({"trial_lr": -1.0}, "trial_lr"),
+    ({"trial_sites": 0}, "trial_sites"),
+])  # fmt: skip
+def test_bad_trial_options_are_refused_naming_the_argument(kw, arg):
+    with pytest.raises(ValueError, match=rf"^{arg}: expected .*Fix: "):
+        GrowUntilSaturated(**kw)
+
+
+def test_the_default_decision_is_the_trial_and_min_gain_none_is_the_rule():
+    assert GrowUntilSaturated().decision == "trial"
+    assert GrowUntilSaturated(min_gain=None).decision == "rule"
+    assert GrowUntilSaturated(trial_growth=True).decision == "gain"
+
+
+def test_a_network_at_chance_level_is_never_called_saturated():
+    from growtrain.trial import at_chance, label_entropy
+
+    y = torch.tensor([0, 1, 2, 3] * 25)
+    assert label_entropy(y) == pytest.approx(math.log(4))
+    assert label_entropy(torch.randn(10)) is None  # not class targets: no claim either way
+    assert at_chance(1.30, label_entropy(y)) and not at_chance(0.9, label_entropy(y))
+    small = {"site": "layer3.1", "paid": False, "lower_frac": 0.001, "gain_frac": 0.003, "upper_frac": 0.005,
+             "level": 0.0167, "n": 12000}
+    v = trial_verdict([small], 0.01, chance="the network is at chance level (probe loss 1.38)")
+    assert v.saturated and "not saturated" in v.reason and "certified saturation" not in v.reason
+    from growtrain.callbacks.telemetry import fit_summary  # the summary's headline follows the reason
+
+    history = [{"check": 0, "epoch": 1, "depth_before": 3, "depth": 3, "action": "saturated", "site": None}]
+    text = str(fit_summary(history, start_depth=3, final_depth=3, finished="saturated", stop_reason=v.reason,
+                           metrics={}, probe_seconds=0.0, fit_seconds=1.0, no_check=None, outputs=[]).caption)
+    assert "at chance level, not saturated" in text and "certified saturation" not in text
+
+
+def test_an_untrained_fit_is_stopped_as_not_saturated(tmp_path):
+    """Through the callback: a learning rate of 0 leaves the network at chance; the stop says so."""
+    L.seed_everything(0)
+    grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, max_growths=1, verbose=False)
+    trainer = L.Trainer(max_epochs=2, callbacks=[grow], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                        default_root_dir=tmp_path)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.0))  # fmt: skip
+    model.network.fc.weight.data.zero_(), model.network.fc.bias.data.zero_()  # uniform predictions
+    trainer.fit(model, tiny_dm(synthetic_size=200))
+    assert grow.finished == "saturated" and grow.stop_reason.startswith("stopped, not saturated")
