@@ -77,18 +77,22 @@ class Snapshot(L.Callback):
 
 
 class AfterCheck(L.Callback):
-    """After the grower: the block the first check inserted, on this rank."""
+    """After the grower: the block the first check inserted, on this rank, and the checksums
+    of the state the first check left (a trial must leave it as it found it)."""
 
-    def __init__(self, out: str):
-        self.out = out
+    def __init__(self, out: str, info: dict | None = None):
+        self.out, self.info = out, info if info is not None else {}
 
     def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch == 0:
+            self.info["params_after_check"] = checksum(pl_module.named_parameters())
+            self.info["buffers_after_check"] = checksum(pl_module.named_buffers())
         blocks = grown_blocks(pl_module.network)
         if trainer.current_epoch == 0 and blocks:
             torch.save(blocks[0].state_dict(), os.path.join(self.out, f"inserted{trainer.global_rank}.pt"))
 
 
-def fit(out: str, epochs: int, same_buffers: bool, restore_best: bool = True) -> None:
+def fit(out: str, epochs: int, same_buffers: bool, restore_best: bool = True, trial_gain: float | None = None) -> None:
     os.makedirs(out, exist_ok=True)
     L.seed_everything(0)
     data = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=400, synthetic_classes=4,
@@ -98,11 +102,14 @@ def fit(out: str, epochs: int, same_buffers: bool, restore_best: bool = True) ->
     # min_gain=0: every rank also scores the whole probe per sample (rank 0's losses broadcast), and
     # the second check (end of epoch 1) judges the first growth by its realized gain.
     # (The negative control keeps an unpaid block, restore_best=False, so its drift stays visible.)
-    grow = GrowUntilSaturated(monitor=None, rule="crossfit", max_growths=2, every_n_epochs=1, min_gain=0.0,
+    # trial_gain: the block-only trial decision instead, with that min_gain (5.0: no trial can pay)
+    decision = {"decision": "gain", "min_gain": 0.0} if trial_gain is None else {
+        "decision": "trial", "min_gain": trial_gain, "trial_epochs": 0.5, "trial_holdout": 32}
+    grow = GrowUntilSaturated(monitor=None, rule="crossfit", max_growths=2, every_n_epochs=1, **decision,
                               restore_best=restore_best, verbose=False)  # fmt: skip
     snapshot = Snapshot(out, same_buffers)
     trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=epochs,
-                        callbacks=[snapshot, grow, AfterCheck(out)],
+                        callbacks=[snapshot, grow, AfterCheck(out, snapshot.info)],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, default_root_dir=out)  # fmt: skip
     trainer.fit(module, data)
@@ -133,9 +140,11 @@ def main() -> None:
     parser.add_argument("--no-rewrap", action="store_true", help="break DDP re-wrapping (the test's negative control)")
     parser.add_argument("--then-no-rewrap", metavar="OUT",
                         help="afterwards, in the same processes, the --no-rewrap fit into OUT (saves a launch)")
+    parser.add_argument("--then-trial", metavar="OUT", nargs=2,
+                        help="afterwards, the trial decision: an impossible min_gain into OUT1, min_gain=0 into OUT2")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    real_rewrap = GrowUntilSaturated._rewrap_ddp
+    real_rewrap = GrowUntilSaturated.__dict__["_rewrap_ddp"]  # the staticmethod itself, to put back
     if args.no_rewrap:
         GrowUntilSaturated._rewrap_ddp = staticmethod(lambda trainer: None)
     fit(args.out, args.epochs, args.same_buffers, restore_best=not args.no_rewrap)
@@ -143,6 +152,9 @@ def main() -> None:
         GrowUntilSaturated._rewrap_ddp = staticmethod(lambda trainer: None)
         fit(args.then_no_rewrap, args.epochs, args.same_buffers, restore_best=False)
         GrowUntilSaturated._rewrap_ddp = real_rewrap
+    if args.then_trial:
+        fit(args.then_trial[0], 1, False, trial_gain=5.0)
+        fit(args.then_trial[1], 2, False, trial_gain=0.0)
 
 
 if __name__ == "__main__":

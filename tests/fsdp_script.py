@@ -197,7 +197,7 @@ def fit(args, name: str) -> None:
                               "reshard_after_forward": False}  # fmt: skip
     after = AfterGrowth()
     grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, rule="crossfit", min_gain=0.0, max_growths=2,
-                              alpha=0.5, verbose=False, seed=1)  # fmt: skip
+                              decision="gain", alpha=0.5, verbose=False, seed=1)  # fmt: skip
     ckpt_dir = os.path.join(out, f"{name}_ckpt")
     callbacks = [grow, after]
     strategy: object = "ddp"

@@ -83,10 +83,30 @@ def _results(proc: subprocess.Popen, out: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp")
-    proc = _launch(root / "sync", "--same-buffers", "--then-no-rewrap", str(root / "no_rewrap"))
-    return {"sync": (_results(proc, root / "sync"), root / "sync"),
-            "no_rewrap": ([json.loads((root / "no_rewrap" / f"rank{r}.json").read_text()) for r in (0, 1)],
-                          root / "no_rewrap")}  # fmt: skip
+    proc = _launch(root / "sync", "--same-buffers", "--then-no-rewrap", str(root / "no_rewrap"),
+                   "--then-trial", str(root / "trial_fail"), str(root / "trial_grow"))
+    read = lambda name: [json.loads((root / name / f"rank{r}.json").read_text()) for r in (0, 1)]  # noqa: E731
+    return {"sync": (_results(proc, root / "sync"), root / "sync"), "no_rewrap": (read("no_rewrap"), root / "no_rewrap"),
+            "trial_fail": (read("trial_fail"), None), "trial_grow": (read("trial_grow"), None)}  # fmt: skip
+
+
+def test_a_failed_trial_leaves_every_rank_bit_for_bit_as_it_was(ddp_runs):
+    """decision='trial' under DDP: no trial can pay (min_gain 500 %); each rank's parameters and
+    buffers after the check are what they were before it, and both ranks saw one verdict."""
+    (r0, r1), _ = ddp_runs["trial_fail"]
+    for r in (r0, r1):
+        assert r["history"][0]["action"] == "saturated" and r["growth_log"] == []
+        assert r["params_after_check"] == r["params_before_check"]
+        # a check probes one network, rank 0's: it gives every rank rank 0's BatchNorm statistics
+        assert r["buffers_after_check"] == r0["buffers_before_check"]
+    assert r0["history"][0]["trial"] == r1["history"][0]["trial"] and r0["checksum"] == r1["checksum"]
+
+
+def test_a_paying_trial_grows_the_same_block_on_every_rank(ddp_runs):
+    (r0, r1), _ = ddp_runs["trial_grow"]
+    assert r0["history"][0]["action"] == "grow" and r0["growth_log"] == r1["growth_log"] != []
+    assert r0["history"][0]["trial"] == r1["history"][0]["trial"]
+    assert r0["checksum"] == r1["checksum"]  # trained on after the growth: still in sync
 
 
 def _data() -> ImageDataModule:  # the script's datamodule
@@ -139,7 +159,7 @@ def test_first_check_equals_a_single_process_check_on_the_same_batches(ddp_runs)
     # ranks, and the two A batches calibrate the candidates' BatchNorms as the ranks' did
     batches = [batch(s[:h]) for s, h in zip(shards, halves)] + [batch(s[h:]) for s, h in zip(shards, halves)]
     report = measure_saturation(module.network, batches, F.cross_entropy, rule="crossfit", alpha=0.05, seed=0,
-                                projected=False, calibrate=True)  # fmt: skip
+                                projected=False, calibrate=True, variance=True)  # fmt: skip
     assert report.n == first["n"] == 91
     assert report.extra["n_a"] == 46 and report.extra["n_b"] == 45
     scores = {s["site"]: s for s in first["site_scores"]}
@@ -147,7 +167,8 @@ def test_first_check_equals_a_single_process_check_on_the_same_batches(ddp_runs)
     for record in report.sites:  # probe sums, all-reduced over ranks vs one process
         theirs = scores[record.name]
         assert record.grad_norm == pytest.approx(theirs["grad_norm"], rel=1e-5, abs=1e-9), record.name
-        assert record.variance is None and theirs["variance"] is None  # the cross-fit check forms no σ̂²
+        # every check forms σ̂² (the paper's t): all-reduced over ranks vs one process
+        assert record.variance == pytest.approx(theirs["variance"], rel=1e-5, abs=1e-9), record.name
         assert record.lower == pytest.approx(theirs["lower"], rel=1e-4, abs=1e-6), record.name
     assert report.gamma == pytest.approx(first["gamma"], rel=1e-5)
     # the decision

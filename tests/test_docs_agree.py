@@ -76,8 +76,9 @@ def test_the_python_quickstart_is_the_config():
     assert model["blocks"] == [1, 1, 1] and model["family"] == "basic"  # ImageClassifier's defaults
     assert sgd["lr"] and QUICKSTART["model"]["init_args"]["optimizer"]["class_path"] == "torch.optim.SGD"
     assert set(grow) == {"monitor", "patience", "min_rel_delta", "min_stage_epochs", "lr_schedule", "anneal_epochs",
-                         "rule", "min_gain", "alpha", "max_growths", "on_saturated"}  # fmt: skip
+                         "rule", "min_gain", "alpha", "max_growths", "on_saturated", "decision"}  # fmt: skip
     assert (grow["min_stage_epochs"], grow["rule"], grow["min_gain"], grow["alpha"]) == (2, "crossfit", 0.01, 0.05)
+    assert grow["decision"] == GrowUntilSaturated().decision  # the shipped config states the default
     for name in ("README.md", "docs/callback.md"):
         page = text(name).replace("( ", "(")
         for phrase in phrases:
@@ -178,3 +179,22 @@ def test_the_readmes_python_example_runs(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="no growth check ran"):  # one epoch: too short for a plateau, and it says so
         exec(compile(short, "README.md", "exec"), scope)
     assert scope["trainer"].state.finished and scope["grow"].history == []
+
+
+def test_the_custom_module_example_is_a_complete_file_that_grows(tmp_path, monkeypatch):
+    """docs/callback.md's "Your own LightningModule" example, blocks defined, run as written but
+    cut to its first check (epoch 7 at this seed): a typo, a missing name or a block the callback
+    refuses fails here, and the check must grow the trunk by one block."""
+    page = (ROOT / "docs" / "callback.md").read_text()
+    section = page[page.index("## Your own LightningModule"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "class Block(nn.Module)" in code and "return x + self.fc2(" in code  # the block carries its skip
+    short = code.replace("L.Trainer(max_epochs=40, callbacks=[grow])",
+                         "L.Trainer(max_epochs=8, callbacks=[grow], logger=False, enable_progress_bar=False, "
+                         f"enable_model_summary=False, enable_checkpointing=False, default_root_dir={str(tmp_path)!r})")  # fmt: skip
+    assert short != code
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {"__name__": "callback_md_example"}
+    exec(compile(short, "docs/callback.md", "exec"), scope)
+    assert [h["action"] for h in scope["grow"].history] == ["grow"]
+    assert scope["trainer"].lightning_module.trunk.depth() == 2

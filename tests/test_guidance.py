@@ -130,9 +130,10 @@ def test_every_n_epochs_with_a_monitor_warns():
 
 # -- a probe too small for min_gain ----------------------------------------------------------------------
 def test_probe_too_small_for_min_gain_is_warned_before_training(tmp_path):
+    """decision='gain' (a whole stage's differences, spread ≈ the loss): a probe too small warns."""
     steps = []
     spy = type("Spy", (L.Callback,), {"on_train_batch_start": lambda self, *a: steps.append(1)})()
-    grow = GrowUntilSaturated(monitor=None, min_gain=0.01, alpha=0.05, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, min_gain=0.01, alpha=0.05, decision="gain", verbose=False)
     with pytest.warns(UserWarning, match=r"probe: with 40 samples a gain of min_gain=0.01 is not detectable") as caught:
         try:
             _trainer(tmp_path, [grow, spy], max_epochs=1, limit_train_batches=0).fit(
@@ -253,3 +254,19 @@ def test_resume_false_says_it_discards_earlier_rows(tmp_path):
     with pytest.warns(UserWarning, match=r"resume=False discards the 2 earlier result row\(s\) in .*runs\.jsonl"):
         fresh = RunLog(tmp_path / "runs.jsonl", "fp", resume=False)
     assert fresh.rows == {} and not (tmp_path / "runs.jsonl").exists()
+
+
+def test_the_default_trial_decision_does_not_warn_about_the_probe(tmp_path):
+    """The default decision scores held-back training samples beside the probe, with a 2–10×
+    tighter spread: the stage-gain warning does not apply (a newcomer's first run is quiet)."""
+    import warnings
+
+    grow = GrowUntilSaturated(monitor=None, min_gain=0.01, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            _trainer(tmp_path, [grow], max_epochs=1, limit_train_batches=0).fit(
+                ImageClassifier(width=4, in_channels=3, num_classes=4), _dm())
+        except Exception:
+            pass
+    assert not [w for w in caught if "not detectable" in str(w.message)]

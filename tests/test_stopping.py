@@ -192,7 +192,7 @@ class TenTimesTheLoss(ImageClassifier):
         return loss
 
 
-@pytest.mark.parametrize("rule", ["relative", "crossfit", "gain"])
+@pytest.mark.parametrize("rule", ["relative", "crossfit", "gain", "trial"])
 def test_a_whole_run_with_the_loss_times_ten_makes_the_same_decisions(tmp_path, rule):
     """Run-level control: loss × 10 with lr ÷ 10 and weight decay × 10 is the same SGD trajectory,
     so a scale-free decision must grow at the same epochs and sites with the same ratios. The
@@ -201,8 +201,10 @@ def test_a_whole_run_with_the_loss_times_ten_makes_the_same_decisions(tmp_path, 
 
     def fit(cls, lr, wd, delta):
         L.seed_everything(0)
-        # "gain": the default decision (cross-fit first check, then the last growth's realized gain)
-        gain = {"rule": "crossfit", "min_gain": 0.01} if rule == "gain" else {"rule": rule, "min_gain": None}
+        # "gain": cross-fit first check, then the last growth's realized gain; "trial": the default,
+        # block-only trials (Adam: the same steps on a loss × 10)
+        gain = ({"rule": "crossfit", "min_gain": 0.01, "decision": rule} if rule in ("gain", "trial")
+                else {"rule": rule, "min_gain": None})  # fmt: skip
         grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, **gain, tau=0.05, delta=delta, max_growths=2,
                                   lr_schedule="anneal", anneal_epochs=1, on_saturated="anneal", verbose=False)  # fmt: skip
         trainer = L.Trainer(max_epochs=9, callbacks=[grow], logger=False, enable_checkpointing=False,
@@ -223,6 +225,10 @@ def test_a_whole_run_with_the_loss_times_ten_makes_the_same_decisions(tmp_path, 
     if rule == "crossfit":  # δ = 3 × the unscaled run's first lower bound: grows ×10, saturates ×1
         delta = 3 * plain[0][2]
         assert fit(ImageClassifier, 0.1, 5e-4, delta)[0][0][0] != fit(TenTimesTheLoss, 0.01, 5e-3, delta)[0][0][0]
+    if rule == "trial":  # every trial's gain, as a fraction of the loss, is the same number
+        fracs = [[t["gain_frac"] for t in h["trial"]["trials"]] for h in plain_history if "trial" in h]
+        scaled_fracs = [[t["gain_frac"] for t in h["trial"]["trials"]] for h in scaled_history if "trial" in h]
+        assert fracs and [[pytest.approx(f, abs=2e-3) for f in row] for row in fracs] == scaled_fracs
     if rule == "gain":  # the gain verdict was made, on the same (×10) numbers
         gains = [(h["gain"]["saturated"], h["gain"]["mean"]) for h in plain_history if "gain" in h]
         assert gains and gains == [(s, pytest.approx(m / 10, rel=1e-3)) for s, m in

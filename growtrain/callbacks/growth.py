@@ -441,7 +441,8 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k in keys}
         telemetry.print_renderable(trainer, telemetry.fit_summary(
             self.history, start_depth=self.start_depth, final_depth=self._depth(self._network), finished=self.finished,
-            stop_reason=self.stop_reason, metrics=metrics, probe_seconds=self.probe_seconds,
+            stop_reason=self.stop_reason, metrics=metrics,
+            probe_seconds=self.probe_seconds + (self._trials.seconds if self._trials is not None else 0.0),
             fit_seconds=time.perf_counter() - self._fit_start, no_check=no_check,
             outputs=guidance.output_lines(trainer, history_path=path, history_written=written),
         ), soft_wrap=True)  # fmt: skip

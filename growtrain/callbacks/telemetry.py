@@ -197,7 +197,7 @@ def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: in
     if losses:
         lines.append(f"{final}: {losses}")
     share = probe_seconds / fit_seconds if fit_seconds > 0 else float("nan")
-    lines.append(f"probe: {probe_seconds:.1f} s of {fit_seconds:.1f} s ({100 * share:.1f} % of the fit)")
+    lines.append(f"probe and trials: {probe_seconds:.1f} s of {fit_seconds:.1f} s ({100 * share:.1f} % of the fit)")
     table.caption = "\n".join(lines)
     table.caption_justify = "left"
     if not outputs:

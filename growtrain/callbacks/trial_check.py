@@ -9,7 +9,7 @@ sample's loss is compared with its loss before; then the block is taken out agai
 is bit-for-bit what it was (the other parameters were frozen, every other module in eval mode,
 the trial's optimizer is its own). Held-out samples: the probe, plus the first
 ``trial_holdout`` training samples of the trial's pass over the training loader, which the trial
-does not train on (at most a fifth of an epoch; docs/decision.md says why and what they add).
+does not train on (at most 40 % of an epoch; docs/decision.md says why and what they add).
 
 Under DDP every rank trains the same block (its gradients are averaged) and rank 0's verdict is
 broadcast, so every rank takes the same action.
@@ -134,7 +134,8 @@ class BlockTrials:
         log_len = len(network.growth_log)
         block = network.grow(site, network.new_block(site, seed=seed))
         try:
-            fit = train_block(view, pl_module, block, batches, loss_fn, steps=steps, lr=self.lr, sync_grads=sync)
+            fit = train_block(view, pl_module, block, batches, loss_fn, steps=steps, lr=self.lr, sync_grads=sync,
+                              any_rank=self._any_rank(trainer))  # fmt: skip
             if fit["diverged"]:
                 return {"site": site, "diverged": True, "steps": fit["steps"]}
             probe_after = per_sample_losses(view, Converted(probe, trainer), loss_fn, device)
@@ -161,6 +162,12 @@ class BlockTrials:
         return (f"the network is at chance level (probe loss {loss:.4g} ≥ 90 % of the label entropy "
                 f"{entropy:.4g}): it has not learned, so depth is not the question — train longer or check the "
                 "data and learning rate")  # fmt: skip
+
+    @staticmethod
+    def _any_rank(trainer: Trainer):
+        if trainer.world_size <= 1:
+            return None
+        return lambda flag: trainer.strategy.reduce_boolean_decision(flag, all=False)
 
     @staticmethod
     def _grad_sync(trainer: Trainer):

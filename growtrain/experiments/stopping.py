@@ -213,7 +213,9 @@ def run_stopping(
         return log.add(key, _train(module, datamodule, kwargs, out / directory, others, grower(), name,
                                    depth_offset(model, name), seed))  # fmt: skip
 
-    growth_rows = [row(f"growth/{decision_key}/seed={seed}", start, seed, f"growth_seed{seed}",
+    # the directory is keyed by the decision too: a cut run resumes from its own epoch checkpoint,
+    # never from another decision's
+    growth_rows = [row(f"growth/{decision_key}/seed={seed}", start, seed, f"growth_{decision_key}_seed{seed}",
                        lambda seed=seed: _seeded_grower(grow, seed)) for seed in (seeds if not skip_growth else ())]  # fmt: skip
     scratch_rows = [row(f"scratch/{name}={value}/seed={seed}", value, seed, f"scratch_{name}{value}_seed{seed}",
                         lambda: _scratch_grower(grow))
