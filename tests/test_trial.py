@@ -192,7 +192,9 @@ def test_the_callbacks_trials_leave_the_network_bit_for_bit(tmp_path, monkeypatc
     monkeypatch.setattr(type(grow._trials), "run", run)
     trainer.fit(model, tiny_dm())
     assert seen == [True] and grow.history[0]["action"] == "saturated"
-    assert len(grow.history[0]["trial"]["trials"]) == 3  # one site per stage
+    trials = grow.history[0]["trial"]["trials"]
+    assert len(trials) == 3  # one site per stage ...
+    assert all(t["level"] == pytest.approx(grow.history[0]["level"] / 3) for t in trials)  # ... α split over them
     assert model.network.depth() == 3
 
 
@@ -257,3 +259,27 @@ def test_an_untrained_fit_is_stopped_as_not_saturated(tmp_path):
     model.network.fc.weight.data.zero_(), model.network.fc.bias.data.zero_()  # uniform predictions
     trainer.fit(model, tiny_dm(synthetic_size=200))
     assert grow.finished == "saturated" and grow.stop_reason.startswith("stopped, not saturated")
+
+
+def test_a_trial_never_trains_on_the_samples_it_is_scored_on():
+    """The held-back batches come first; in later passes over the loader (a trial longer than the
+    rest of the epoch) those samples are dropped from every batch, matched by fingerprint."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from growtrain.callbacks.trial_check import BlockTrials
+
+    x = torch.arange(64, dtype=torch.float32).view(64, 1).repeat(1, 3)
+    y = torch.arange(64) % 4
+    loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
+    same = lambda b, *a: b  # noqa: E731
+    trainer = SimpleNamespace(train_dataloader=loader, precision_plugin=SimpleNamespace(convert_input=same))
+    module = SimpleNamespace(_call_batch_hook=lambda name, b, *a: b, _apply_batch_transfer_handler=same)
+    held: list = []
+    batches = BlockTrials._train_batches(trainer, module, held)
+    held.extend(next(batches) for _ in range(2))
+    held_ids = {int(v) for b in held for v in b[0][:, 0]}
+    trained = [int(v) for _ in range(20) for v in next(batches)[0][:, 0]]  # 2.5 more passes
+    assert len(held_ids) == 16 and not held_ids & set(trained)
+    assert set(trained) == set(range(64)) - held_ids  # everything else is trained on
