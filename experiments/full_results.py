@@ -50,6 +50,33 @@ def path_of(row):
     return "; ".join(steps)
 
 
+def trial_flops(row, width=8, in_channels=1, classes=10, image=28, batch=128):
+    """FLOPs of a growth row's trials, from its history (the fit's meter counts training steps
+    only): per trial, ``steps × batch`` training samples at 3 × the forward FLOPs of the network
+    with the trial block (an upper bound: the frozen layers form no weight gradients) plus every
+    scored sample (probe and held-back) once before (without the block) and once after (with it)."""
+    import torch
+
+    from growtrain.callbacks.compute import forward_flops
+    from growtrain.models import cifar_resnet
+
+    net = cifar_resnet((1, 1, 1), width, "basic", in_channels, classes)
+    x = torch.zeros(1, in_channels, image, image)
+    total = 0.0
+    for h in row["history"]:
+        trial = (h.get("verdicts") or {}).get("trial") or {}
+        base = forward_flops(net, x)
+        for t in trial.get("trials", []):
+            probe = net.grow(t["site"], net.new_block(t["site"], seed=0))
+            with_block = forward_flops(net, x)
+            net.undo_growth([probe], len(net.growth_log) - 1)
+            scored = t.get("n_probe", 0) + t.get("n_holdout", 0)
+            total += 3.0 * with_block * t.get("steps", 0) * batch + (base + with_block) * scored
+        if h["action"] == "grow" and h.get("site"):
+            net.grow(h["site"], net.new_block(h["site"], seed=0))
+    return total
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("rows")
@@ -82,12 +109,14 @@ def main():
     print(f"\nd* = {d_star} blocks (lowest mean: {best}; smallest within one standard error of it)" if d_star else "")
     print("\n### Growth runs\n")
     print("| run | checks: blocks → action (best trial: gain ≥ lower bound) | handed over (blocks) | test loss | "
-          "scratch at that depth, same seed | train loss | epochs | GFLOP (÷ 8-depth sweep of seed 0) |")
+          "scratch at that depth, same seed | train loss | epochs | GFLOP, trials included (÷ seed 0's sweep) |")
     print("|---|---|---|---|---|---|---|---|")
     sweep0 = sum(by[b][0]["flops"] for b in by if 0 in by[b])
     for r in sorted(growth, key=lambda r: r["key"]):
         same = by.get(r["blocks"], {}).get(r["seed"])
-        ratio = f"{r['flops'] / 1e9:.0f} ({r['flops'] / sweep0:.2f}×)" if sweep0 else f"{r['flops'] / 1e9:.0f}"
+        total = r["flops"] + trial_flops(r)
+        ratio = (f"{total / 1e9:.0f} ({total / sweep0:.2f}×; trials {100 * (total - r['flops']) / total:.0f} %)"
+                 if sweep0 else f"{total / 1e9:.0f}")  # fmt: skip
         print(f"| {r['key']} | {path_of(r)} | {r['blocks']} | {r['test_loss']:.4f} | "
               f"{same['test_loss']:.4f} | " if same else f"| {r['key']} | {path_of(r)} | {r['blocks']} | "
               f"{r['test_loss']:.4f} | — | ", end="")
