@@ -41,12 +41,17 @@ from growtrain.trainer import EXPERIMENTS, GrowTrainer
 
 __all__ = ["GrowtrainCLI", "main"]
 
+# A first command that needs no file from the repository (the default model and data need no arguments)
+START_ANYWHERE = ("growtrain fit --trainer.callbacks+=growtrain.callbacks.GrowUntilSaturated "
+                  "--trainer.callbacks.monitor=val_loss --trainer.max_epochs=60 --trainer.default_root_dir=runs/first")
 DESCRIPTION = (
     "growtrain: train a residual network (or a small transformer) with PyTorch Lightning and make it deeper, one "
     "function-preserving block at a time, while a statistical test on a held-out probe sample says more depth still "
     "lowers the loss; then stop (the paper's 'grow until saturated'). Subcommands: fit | validate | test | predict "
-    "(Lightning's), and the experiments compare | stopping | sweep | measure | match. Start with: growtrain fit "
-    "--config configs/quickstart.yaml"
+    "(Lightning's), and the experiments compare | stopping | sweep | measure | match. Start with, in a checkout of "
+    "the repository (the configs are not installed with the package): growtrain fit --config configs/quickstart.yaml. "
+    "Anywhere else, the built-in ResNet on the embedded Fashion-MNIST subset with the growth callback: "
+    f"{START_ANYWHERE}"
 )
 FIT_DESCRIPTION = (
     "Train a model; with growtrain.callbacks.GrowUntilSaturated among trainer.callbacks (as in configs/quickstart.yaml) "

@@ -42,37 +42,92 @@ def _whole_epochs(ax, xs: Sequence[float]) -> None:
         ax.set_xlim(xs[0] - 1, xs[0] + 1)
 
 
-def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, title: str | None = None):
-    """What decided each growth check, against the epoch at whose end it ran.
+def _trial(record: dict) -> dict | None:
+    """The block-only trial verdict of a check (``decision="trial"``), if any."""
+    return record.get("trial") or (record.get("verdicts") or {}).get("trial")
+
+
+def _best_trial(trial: dict) -> dict | None:
+    """The tried block the verdict rests on: the best certified lower bound among the trials that did not diverge."""
+    usable = [t for t in trial.get("trials") or [] if not t.get("diverged") and t.get("lower_frac") is not None]
+    return max(usable, key=lambda t: t["lower_frac"]) if usable else None
+
+
+def _stop_record(history: Sequence[dict]) -> dict | None:
+    """The check that ended growth (saturated, or a budget), if one did."""
+    return next((h for h in reversed(history) if h.get("action") in ("saturated", "budget")), None)
+
+
+def _final_text(history: Sequence[dict], final: dict | None) -> str:
+    """The network handed over and why growth stopped, for the figure's footer."""
+    import textwrap
+
+    final = final or {}
+    grown = [s for h in history if grew(h) for s in (h.get("sites") or [h.get("site")])]
+    removed = [s for h in history for s in ((h.get("restored") or {}).get("removed_sites") or [])]
+    kept = list(grown)
+    for site in removed:  # one insertion taken back per removed site
+        if site in kept:
+            kept.remove(site)
+    kept = final.get("sites", kept)
+    start = final.get("start_depth", history[0].get("depth_before"))
+    depth = final.get("depth", history[-1].get("depth"))
+    parts = [f"Final network: depth {depth if depth is not None else '?'}"
+             + (f" (started at {start})" if start is not None else "")
+             + f"; blocks grown and kept: {', '.join(map(str, kept)) or 'none'}"
+             + (f"; undone: {', '.join(map(str, removed))}" if removed else "") + "."]  # fmt: skip
+    stop = _stop_record(history)
+    reason = final.get("stop_reason") or (stop or {}).get("reason")
+    if stop is None and final.get("finished") is None:
+        parts.append("Growth had not ended when the fit stopped (max_epochs or another callback).")
+    else:
+        where = f" at epoch {stop['epoch']}" if stop is not None and stop.get("epoch") is not None else ""
+        parts.append(f"Growth stopped{where} ({(stop or {}).get('action') or final.get('finished')}): {reason}")
+    lines = [line for part in parts for line in textwrap.wrap(part, 150)]
+    return "\n".join(lines if len(lines) <= 5 else lines[:4] + [lines[4][:146] + " …"])
+
+
+def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, title: str | None = None,
+                     final: dict | None = None):  # fmt: skip
+    """What decided each growth check, against the epoch at whose end it ran, and what the run did.
 
     Top: the first-order test — the best site's certified (cross-fit) lower bound against the
     rule's threshold (``margin``: δ, or τ·R for the relative rule); with ``rule="paper"``, Γ̂
-    against δ+t. Middle (with ``min_gain``): each later check's certified gain of the last block
-    (its lower bound) against what it needed (``min_gain`` × the probe loss at that growth).
-    Filled markers are the quantities that decided a check; hollow ones were reported only.
-    Bottom, secondary: the paper's Γ̂ = max‖ĝ‖ and δ+t. Red lines: blocks inserted.
+    against δ+t. With ``decision="trial"`` (a ``trial`` record) a panel of the block-only
+    trials: the best tried block's held-out gain (fraction of the loss), its certified lower
+    bound and ``min_gain`` (grow when the bound is above it); the first-order scores then only
+    chose the sites. With ``decision="gain"``: each later check's certified gain of the last
+    block against what it needed (``min_gain`` × the probe loss at that growth). Filled markers
+    decided a check; hollow ones were reported only. Bottom, secondary: Γ̂ and δ+t.
 
-    ``history``: ``GrowUntilSaturated.history`` (dicts with ``epoch``, ``gamma``, ``threshold``,
-    ``lower``, ``margin``, ``rule``, ``gain``, ``action``, ``sites``). Checks without an epoch
-    are placed at their ``step``.
+    Every panel marks each growth (red), each undo (purple, dashed: ``restore_best`` removed the
+    block) and the check that ended growth (black, dotted); the footer gives the final network
+    (depth, blocks kept and undone) and why growth stopped.
+
+    ``history``: ``GrowUntilSaturated.history``. ``final`` (optional, from the callback):
+    ``depth``, ``start_depth``, ``sites`` (the growth record's sites), ``finished``,
+    ``stop_reason``; without it they come from the history. Checks without an epoch are placed
+    at their ``step``.
     """
     if not history:
         raise ValueError("history: no growth checks to plot (the callback recorded none)")
     xkey = "epoch" if all(h.get("epoch") is not None for h in history) else "step"
     measured = [h for h in history if h.get("gamma") is not None]  # budget stops run no probe
     gains = [h for h in measured if _gain(h)]
+    trials = [h for h in history if _trial(h) and _best_trial(_trial(h))]
     paper = bool(measured) and all(h.get("rule") == "paper" for h in measured)
-    rows = 2 + bool(gains)
-    fig = _figure((8.5, 2.3 * rows + 0.6))
-    axes = fig.subplots(rows, 1, sharex=True, height_ratios=[2, 2, 1.2] if gains else [2, 1.2])
+    rows = 2 + bool(gains) + bool(trials)
+    fig = _figure((8.5, 2.3 * rows + 1.0))
+    axes = fig.subplots(rows, 1, sharex=True, height_ratios=[2] * (rows - 1) + [1.2])
     first, *rest = axes
-    gain_ax = rest[0] if gains else None
+    trial_ax = rest[0] if trials else None
+    gain_ax = rest[int(bool(trials))] if gains else None
     paper_ax = rest[-1]
     # -- the first-order test: lower bound vs threshold (or Γ̂ vs δ+t for the paper rule) ---------------------
     value_key, need_key = ("gamma", "threshold") if paper else ("lower", "margin")
     pts = [h for h in measured if h.get(value_key) is not None]
     for decided in (True, False):
-        sel = [h for h in pts if (not _gain(h)) == decided]
+        sel = [h for h in pts if (not _gain(h) and not _trial(h)) == decided]
         if sel:
             first.plot([h[xkey] for h in sel], [h[value_key] for h in sel], "o", color="C0",
                        fillstyle="full" if decided else "none",
@@ -83,8 +138,22 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
         first.plot([h[xkey] for h in needs], [h[need_key] for h in needs], "_", color="C3", ms=14, mew=2,
                    label=r"$\delta+t$: grow above" if paper else "threshold (δ or τ·R): grow above")  # fmt: skip
     first.set_ylabel("gradient norm")
-    first.set_title("first-order test: " + ("Γ̂ against δ+t" if paper else "certified lower bound against its threshold"),
-                    fontsize=9, loc="left")  # fmt: skip
+    what = "Γ̂ against δ+t" if paper else "certified lower bound against its threshold"
+    first.set_title("first-order test: " + what + (" (chose the trial sites)" if trials else ""), fontsize=9, loc="left")
+    # -- decision="trial": the best tried block's held-out gain and its lower bound vs min_gain ------------------
+    if trial_ax is not None:
+        tx = [h[xkey] for h in trials]
+        best = [_best_trial(_trial(h)) for h in trials]
+        trial_ax.plot(tx, [b["gain_frac"] for b in best], "s", color="C2", fillstyle="none",
+                      label="best tried block: held-out gain (estimate)")  # fmt: skip
+        trial_ax.plot(tx, [_trial(h)["lower_frac"] for h in trials], "^", color="C2",
+                      label="its certified lower bound (decided)")  # fmt: skip
+        trial_ax.plot(tx, [_trial(h)["min_gain"] for h in trials], "_", color="C3", ms=14, mew=2,
+                      label="min_gain: grow when the bound is above")  # fmt: skip
+        trial_ax.axhline(0.0, color="0.6", lw=0.6)
+        trial_ax.set_ylabel("fraction of the loss")
+        trial_ax.set_title("block-only trial: the best new block's held-out loss drop against min_gain", fontsize=9,
+                           loc="left")  # fmt: skip
     # -- min_gain: each later check's certified gain of the last block vs its need ------------------------------
     if gain_ax is not None:
         gx = [h[xkey] for h in gains]
@@ -98,31 +167,55 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
     # -- secondary: the paper's Γ̂ and δ+t -----------------------------------------------------------------------
     x = [h[xkey] for h in measured]
     paper_ax.plot(x, [h["gamma"] for h in measured], "o-", color="0.4", ms=3, lw=0.8, label=r"$\hat\Gamma$ (paper)")
-    if measured and all(h.get("threshold") is not None for h in measured):
-        paper_ax.plot(x, [h["threshold"] for h in measured], "--", color="0.6", lw=0.8, label=r"$\delta+t$ (paper)")
+    thresholds = [h for h in measured if h.get("threshold") is not None]
+    if thresholds:
+        paper_ax.plot([h[xkey] for h in thresholds], [h["threshold"] for h in thresholds], "--", color="0.6", lw=0.8,
+                      label=r"$\delta+t$ (paper)")  # fmt: skip
     paper_ax.set_ylabel("gradient norm", fontsize=8)
     paper_ax.set_title("secondary: the paper's Proposition 1 quantities" + ("" if not paper else " (deciding here)"),
                        fontsize=8, loc="left")  # fmt: skip
-    for ax in axes:
-        for h in history:
-            if grew(h):
-                ax.axvline(h[xkey], color="C3", lw=0.8, alpha=0.6)
-        ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))  # zero in view: a gain can be negative
-    for h in history:
-        if grew(h):
-            first.annotate(", ".join(h.get("sites") or [str(h.get("site"))]), (h[xkey], 1.0),
-                           xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7,
-                           color="C3")  # fmt: skip
-    first.axvline(float("nan"), color="C3", lw=0.8, label="block inserted")  # legend entry only
+    _mark_events(axes, history, xkey)
     for ax in axes:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never over the data
     _whole_epochs(paper_ax, [h[xkey] for h in history])
     paper_ax.set_xlabel("epoch (a check runs at its end)" if xkey == "epoch" else "training step")
     fig.suptitle(title or "Growth checks: what decided each one", fontsize=10)
+    fig.supxlabel(_final_text(history, final), fontsize=7.5, x=0.01, ha="left", multialignment="left")
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
     return fig
+
+
+def _mark_events(axes, history: Sequence[dict], xkey: str) -> None:
+    """Growths (red), undos (purple, dashed) and the end of growth (black, dotted) on every panel,
+    named on the top one; zero kept in view (a gain can be negative)."""
+    stop = _stop_record(history)
+    for ax in axes:
+        for h in history:
+            if grew(h):
+                ax.axvline(h[xkey], color="C3", lw=0.8, alpha=0.6)
+            if h.get("restored"):
+                ax.axvline(h[xkey], color="C4", lw=1.2, ls="--")
+        if stop is not None:
+            ax.axvline(stop[xkey], color="k", lw=1.0, ls=":")
+        ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))
+    first = axes[0]
+    for h in history:  # growths and undos hang from the top, the stop stands on the bottom: never on each other
+        if grew(h) or h.get("restored"):
+            r = h.get("restored") or {}
+            text, color = (", ".join(h.get("sites") or [str(h.get("site"))]), "C3") if grew(h) else (
+                f"undone: {', '.join(map(str, r.get('removed_sites') or []))} → depth {r.get('depth')}", "C4")
+            first.annotate(text, (h[xkey], 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top",
+                           ha="right", fontsize=7, color=color)  # fmt: skip
+        if h is stop:
+            first.annotate(f"stop: {h['action']}", (h[xkey], 0.0), xycoords=("data", "axes fraction"), rotation=90,
+                           va="bottom", ha="left", fontsize=7, color="k")  # fmt: skip
+    first.axvline(float("nan"), color="C3", lw=0.8, label="block inserted")  # legend entries only
+    if any(h.get("restored") for h in history):
+        first.axvline(float("nan"), color="C4", lw=1.2, ls="--", label="block undone (restore_best)")
+    if stop is not None:
+        first.axvline(float("nan"), color="k", lw=1.0, ls=":", label="growth stopped")
 
 
 def plot_sweep(rows: Sequence[dict], path: str | Path | None = None, *, depth_label: str = "depth", stop_depth=None):
@@ -159,8 +252,10 @@ def plot_sweep(rows: Sequence[dict], path: str | Path | None = None, *, depth_la
 def plot_stopping(summary: dict, growth_rows: Sequence[dict], path: str | Path | None = None):
     """Left: the scratch sweep's test loss against depth (mean ± sd), ``d*`` and each growth
     seed's found depth marked (AutoGrow's Figure 5 style). Right: with ``min_gain``, every growth
-    seed's certified gain of its last block at each check, with ``min_gain``; else the relative
-    rule's ratio (best certified lower bound / R) of the first growth run, with τ."""
+    seed's certified gain at each check, with ``min_gain`` (``decision="trial"``: the best tried
+    block's lower bound; ``"gain"``: the last block's); else the relative rule's ratio (best
+    certified lower bound / R) of the first growth run, with τ. A growth run that found no depth
+    (its fit ended before growth did) is drawn hollow."""
     fig = _figure((10.0, 4.0))
     left, right = fig.subplots(1, 2)
     label = summary.get("depth_kwarg", "depth")
@@ -172,13 +267,27 @@ def plot_stopping(summary: dict, growth_rows: Sequence[dict], path: str | Path |
         left.errorbar(xs, mean, yerr=sd, fmt="o-", capsize=3, label="scratch (mean ± sd)")
         if summary.get("d_star") is not None:
             left.axvline(summary["d_star"], color="C2", ls="--", label=f"d* = {summary['d_star']}")
-    for i, g in enumerate(growth_rows):
-        left.plot([g["depth"]], [g["test_loss"]], "v", color="C3", ms=9, label="growth (found depth)" if i == 0 else None)
+    # a growth run whose fit ended before growth did (no check, or none that stopped it) found no
+    # depth: it is drawn hollow, at the depth it had, and not called "found"
+    found = [g for g in growth_rows if g.get("stopped")]
+    unfinished = [g for g in growth_rows if not g.get("stopped")]
+    if found:
+        left.plot([g["depth"] for g in found], [g["test_loss"] for g in found], "v", color="C3", ms=9, ls="none",
+                  label="growth (found depth)")  # fmt: skip
+    if unfinished:
+        left.plot([g["depth"] for g in unfinished], [g["test_loss"] for g in unfinished], "v", color="C3", ms=9,
+                  ls="none", fillstyle="none", label="growth not ended by the fit's end (depth reached, not found)")  # fmt: skip
+    from matplotlib.ticker import MaxNLocator
+
+    left.xaxis.set_major_locator(MaxNLocator(integer=True))  # depths are whole blocks
     left.set_xlabel(f"depth ({label})")
     left.set_ylabel("test loss")
     left.legend(fontsize=8)
     gains = [[h for h in g.get("history", []) if (h.get("verdicts") or {}).get("gain")] for g in growth_rows]
-    if any(gains):
+    trials = [[h for h in g.get("history", []) if (h.get("verdicts") or {}).get("trial")] for g in growth_rows]
+    if any(trials):
+        _plot_trials(right, growth_rows, trials)
+    elif any(gains):
         _plot_gains(right, growth_rows, gains)
     elif growth_rows:
         hist = [h for h in growth_rows[0].get("history", []) if h.get("ratio") is not None]
@@ -217,3 +326,22 @@ def _plot_gains(ax, growth_rows: Sequence[dict], gains: Sequence[Sequence[dict]]
     ax.set_ylabel("certified gain of the last block / probe loss")
     ax.legend(fontsize=8)
 
+
+def _plot_trials(ax, growth_rows: Sequence[dict], trials: Sequence[Sequence[dict]]) -> None:
+    """decision="trial": each growth seed's best tried block's certified held-out gain (lower
+    bound, fraction of the loss) against the blocks at the check, with ``min_gain``."""
+    from matplotlib.ticker import MaxNLocator
+
+    min_gain = None
+    for i, (g, hist) in enumerate(zip(growth_rows, trials)):
+        if hist:
+            verdicts = [h["verdicts"]["trial"] for h in hist]
+            ax.plot([h["depth_before"] for h in hist], [v["lower_frac"] for v in verdicts], "o-", color=f"C{i}",
+                    label=f"seed {g['seed']}")  # fmt: skip
+            min_gain = verdicts[0]["min_gain"]
+    if min_gain is not None:
+        ax.axhline(min_gain, color="C3", ls=":", label=f"min_gain = {min_gain:.2g}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("blocks at the check")
+    ax.set_ylabel("best tried block: certified gain / loss")
+    ax.legend(fontsize=8)

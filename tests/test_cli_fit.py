@@ -168,3 +168,23 @@ def test_default_root_dir_moves_every_output(tmp_path, monkeypatch):
     package = Path(growtrain.__file__).parent
     ours = [w for w in caught if Path(w.filename).resolve().is_relative_to(package)]
     assert not ours, [f"{w.filename}:{w.lineno}: {w.message}" for w in ours]
+
+
+def _fit_configs() -> list[Path]:
+    """The shipped configs whose own header runs them with ``growtrain fit --config <it>``."""
+    return [p for p in _shipped_configs() if f"growtrain fit --config configs/{p.relative_to(CONFIGS)}" in p.read_text()]
+
+
+@pytest.mark.parametrize("config", _fit_configs(), ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_every_fit_config_writes_under_runs_not_the_working_directory(config):
+    """Without default_root_dir Lightning writes ./lightning_logs/ (and checkpoints in it) into
+    whatever directory the command ran from."""
+    import yaml
+
+    trainer = (yaml.safe_load(config.read_text()) or {}).get("trainer") or {}
+    assert str(trainer.get("default_root_dir", "")).startswith("runs/"), config
+
+
+def test_the_fit_configs_are_found():
+    names = {str(p.relative_to(CONFIGS)) for p in _fit_configs()}
+    assert {"quickstart.yaml", "gpt.yaml", "hf/tiny_llama_stdlib.yaml", "fmnist/growth.yaml"} <= names, names

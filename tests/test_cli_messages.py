@@ -23,6 +23,25 @@ def test_top_level_help_describes_growtrain_and_lists_every_subcommand(capsys):
     assert all(name in out.split("Subcommands:")[1] for name in EXPERIMENTS)  # the description names them too
 
 
+def test_the_first_command_in_the_help_works_without_a_checkout(tmp_path, monkeypatch, capsys):
+    """configs/quickstart.yaml exists only in a checkout: the help says so, and the command it
+    gives for anywhere else parses and builds a growing run from a directory with no configs."""
+    from growtrain.callbacks import GrowUntilSaturated
+    from growtrain.cli import START_ANYWHERE
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "in a checkout of the repository" in out and START_ANYWHERE in out
+    command = START_ANYWHERE.split()
+    assert command[:2] == ["growtrain", "fit"]
+    monkeypatch.chdir(tmp_path)
+    cli = GrowtrainCLI(args=[*command[2:], "--trainer.logger=false"], run=False)
+    (grow,) = [c for c in cli.trainer.callbacks if isinstance(c, GrowUntilSaturated)]
+    assert grow.monitor == "val_loss" and cli.trainer.max_epochs == 60
+    assert cli.trainer.default_root_dir == "runs/first" and list(tmp_path.iterdir()) == []  # nothing written yet
+
+
 def test_fit_help_says_how_to_list_the_growth_callbacks_arguments(capsys):
     with pytest.raises(SystemExit) as done:
         main(["fit", "--help"])

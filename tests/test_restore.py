@@ -4,6 +4,8 @@ before that growth is handed over — weights, BatchNorm statistics, optimizer a
 from __future__ import annotations
 
 import copy
+import io
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -33,15 +35,17 @@ class States(L.Callback):
         self.optimizer[trainer.current_epoch] = copy.deepcopy(trainer.optimizers[0].state_dict())
 
 
-def fit(tmp_path, min_gain=10.0, extra=(), **kw):
+def fit(tmp_path, min_gain=10.0, extra=(), trainer_kw=None, **kw):
     L.seed_everything(0)
-    kw = {"rule": "paper", "t": 1e-12, "max_growths": 3} | kw
+    # decision="gain": these runs test the stage-gain verdict and its undo (the default is now "trial")
+    kw = {"rule": "paper", "t": 1e-12, "max_growths": 3, "decision": "gain"} | kw
     grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, min_gain=min_gain, lr_schedule="anneal",
                               anneal_epochs=1, on_saturated="anneal", verbose=False, **kw)  # fmt: skip
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=-1,
                                                every_n_epochs=1, save_on_train_epoch_end=True)  # fmt: skip
-    trainer = L.Trainer(max_epochs=20, callbacks=[*extra, grow, ckpt], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)  # fmt: skip
+    trainer_kw = {"limit_val_batches": 0, "logger": False} | (trainer_kw or {})
+    trainer = L.Trainer(max_epochs=20, callbacks=[*extra, grow, ckpt], enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path, **trainer_kw)  # fmt: skip
     model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic",
                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=5e-4))  # fmt: skip
     trainer.fit(model, tiny_dm())
@@ -128,3 +132,96 @@ def test_trial_growth_grows_where_the_first_order_test_does_not_certify(tmp_path
 def test_trial_growth_needs_min_gain():
     with pytest.raises(ValueError, match=r"trial_growth: expected min_gain set.*Fix"):
         GrowUntilSaturated(trial_growth=True, min_gain=None)
+
+
+class ValLosses(L.Callback):
+    """The val_loss each epoch's validation logged (it runs before the growth check of that epoch)."""
+
+    def __init__(self):
+        self.val: dict[int, float] = {}
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.val[trainer.current_epoch] = float(trainer.callback_metrics["val_loss"])
+
+
+def test_after_an_undo_the_run_reports_the_restored_network(tmp_path):
+    """The fit ends at the check that undoes the block: the epoch's validation and training
+    losses are the removed network's. The record, growth_history.json, the callback metrics the
+    checkpoint callback scores, and the summary's final line must be the restored network's:
+    val_loss as `trainer.validate` gives it on last.ckpt, train_loss as an eval-mode pass over
+    the train loader gives it (both computed here independently of the callback)."""
+    import json
+
+    import torch.nn.functional as F
+    from rich.console import Console
+
+    from growtrain.callbacks import telemetry
+    from growtrain.callbacks.telemetry import final_metrics
+
+    vals = ValLosses()
+    scores = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "scored", monitor="train_loss", save_top_k=-1,
+                                                 filename="{epoch}", save_on_train_epoch_end=True)  # fmt: skip
+    logger = L.pytorch.loggers.CSVLogger(tmp_path, name="logs")
+    grow, model, trainer = fit(tmp_path, extra=[vals, scores],
+                               trainer_kw={"limit_val_batches": None, "logger": logger, "log_every_n_steps": 1})
+    last = grow.history[-1]
+    assert last["restored"] and trainer.global_step == last["step"]  # the fit ended at the undo
+
+    loaded = ImageClassifier.load_from_checkpoint(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert loaded.network.depth() == 3
+    (validated,) = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             default_root_dir=tmp_path).validate(loaded, tiny_dm(), verbose=False)  # fmt: skip
+    loaded.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        dm = tiny_dm()
+        dm.setup("fit")
+        train = dm.train_dataloader()  # every training sample once (the train loader drops its ragged last batch)
+        for batch in torch.utils.data.DataLoader(train.dataset, batch_size=50, collate_fn=train.collate_fn):
+            x, y = dm.on_after_batch_transfer(batch, 0)  # uint8 → normalised float; no trainer: no augmentation
+            total += float(F.cross_entropy(loaded(x), y, reduction="sum"))
+            count += len(y)
+    want = {"val_loss": validated["val_loss"], "val_acc": validated["val_acc"], "train_loss": total / count}
+
+    measured = last["restored"]["metrics"]
+    assert measured.keys() == want.keys()
+    for key, value in want.items():
+        assert measured[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    removed = vals.val[last["epoch"]]  # what the epoch logged: the 4-block network's
+    assert abs(removed - want["val_loss"]) > 1e-4  # the planted run tells the two apart
+
+    on_disk = json.loads((Path(trainer.log_dir) / "growth_history.json").read_text())
+    assert on_disk[-1]["restored"]["metrics"] == pytest.approx(measured)
+    import csv
+
+    with open(logger.experiment.metrics_file_path) as f:  # the last values logged for each metric
+        logged = {k: float(v) for row in csv.DictReader(f) for k, v in row.items() if v not in ("", None)}
+    for key in ("train_loss", "val_loss"):
+        assert logged[key] == pytest.approx(measured[key], rel=1e-6), key
+    for key in ("train_loss", "val_loss"):  # what ModelCheckpoint and EarlyStopping saw after the check
+        assert float(trainer.callback_metrics[key]) == pytest.approx(measured[key], rel=1e-6)
+    scored = {Path(p).name: float(v) for p, v in scores.best_k_models.items()}
+    assert scored[f"epoch={last['epoch']}.ckpt"] == pytest.approx(measured["train_loss"], rel=1e-6)
+
+    metrics, measured_on = final_metrics(grow.history, trainer.callback_metrics, trainer.global_step)
+    assert metrics == pytest.approx(measured) and "train_acc" not in metrics  # no stale number of the removed net
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(telemetry.fit_summary(grow.history, start_depth=3, final_depth=3, finished=grow.finished,
+                                        stop_reason=grow.stop_reason, metrics=metrics, probe_seconds=0.0,
+                                        fit_seconds=1.0, measured_on=measured_on))  # fmt: skip
+    text = console.export_text()
+    assert "final (re-measured on the restored network of check 0 (depth 3, eval mode))" in text
+    assert f"val_loss={want['val_loss']:.4g}" in text and f"val_loss={removed:.4g}" not in text
+    assert "restored the network of check 0" in text
+
+
+def test_final_metrics_are_the_trainers_when_training_followed_the_undo():
+    """A final anneal (or on_saturated="continue") trains the restored network on: the last
+    epoch's metrics are then its own, and they are what the summary shows."""
+    from growtrain.callbacks.telemetry import final_metrics
+
+    history = [{"step": 10, "restored": {"metrics": {"val_loss": 1.0}, "check": 0, "depth": 3}}]
+    assert final_metrics(history, {"val_loss": 0.5, "lr": 0.1}, global_step=10) == (
+        {"val_loss": 1.0}, "re-measured on the restored network of check 0 (depth 3, eval mode)")
+    assert final_metrics(history, {"val_loss": 0.5, "lr": 0.1}, global_step=12) == ({"val_loss": 0.5}, None)

@@ -3,7 +3,8 @@
 
 At each check after a growth the probe's per-sample losses are compared, sample by sample,
 with those at that growth (``growtrain.gain``: bootstrap-t bound, fingerprints for pairing);
-an unpaid growth that ends the run is undone from the host snapshot (``restore.py``).
+an unpaid growth that ends the run is undone from the host snapshot (``restore.py``), and the
+handed-over network's metrics are measured again and logged (``remeasure.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from growtrain import decision as dec
 from growtrain.callbacks.probe_data import Converted, Fingerprinted, ProbeView, per_sample_losses, random_order
+from growtrain.callbacks.remeasure import publish, remeasure
 from growtrain.callbacks.restore import restore_snapshot
 from growtrain.gain import gain_test, signature_mismatch
 
@@ -95,8 +97,17 @@ class RealizedGainMixin:
                 f"removed the unpaid block(s) at {', '.join(map(str, done['removed_sites']))} with their weights, "
                 "BatchNorm statistics and optimizer groups (restore_best=True)")  # fmt: skip
         rank_zero_info(f"GrowUntilSaturated: {what}")
+        # The epoch's logged numbers are the removed network's (validation ran before this
+        # check): measure the handed-over one, and log that for the checkpoint callback, the
+        # loggers and the summary (remeasure.py)
+        metrics = remeasure(trainer, pl_module, ProbeView(pl_module, network), self._loss)
+        published = publish(pl_module, metrics)
+        if metrics:
+            shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
+            rank_zero_info(f"GrowUntilSaturated: the restored network, re-measured in eval mode: {shown}")
         return {**done, "check": snap["check"], "epoch": snap["epoch"], "step": snap["step"], "depth": snap["depth"],
-                "annealed": snap.get("annealed", False), "what": what}  # fmt: skip
+                "annealed": snap.get("annealed", False), "what": what, "metrics": metrics,
+                "metrics_logged": published}  # fmt: skip
 
     def _level(self) -> float:
         """The level of the next test (``alpha_spending``); counts the test."""

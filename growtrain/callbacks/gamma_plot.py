@@ -9,7 +9,7 @@ from lightning.pytorch import Callback
 from growtrain.callbacks._select import growth_callbacks
 from growtrain.plots import plot_gamma_trace
 
-__all__ = ["GammaTracePlot", "save_gamma_trace"]
+__all__ = ["GammaTracePlot", "save_gamma_trace", "final_state"]
 
 
 def save_gamma_trace(trainer, pl_module=None) -> list[Path]:
@@ -27,9 +27,22 @@ def save_gamma_trace(trainer, pl_module=None) -> list[Path]:
     paths = []
     for i, cb in enumerate(callbacks):
         path = folder / ("gamma_trace.png" if i == 0 else f"gamma_trace_{i}.png")
-        plot_gamma_trace(cb.history, path)
+        plot_gamma_trace(cb.history, path, final=final_state(cb))
         paths.append(path)
     return paths
+
+
+def final_state(callback) -> dict:
+    """What the run handed over, for the figure's footer: the network's depth and growth record
+    now (after any undo), where growth started, and how and why it ended."""
+    network = getattr(callback, "_network", None)
+    out = {"start_depth": getattr(callback, "start_depth", None), "finished": getattr(callback, "finished", None),
+           "stop_reason": getattr(callback, "stop_reason", None)}  # fmt: skip
+    if network is not None:
+        depth = getattr(network, "depth", None)
+        out["depth"] = int(depth()) if callable(depth) else None
+        out["sites"] = [dict(r).get("site") for r in getattr(network, "growth_log", [])]
+    return out
 
 
 class GammaTracePlot(Callback):

@@ -40,8 +40,8 @@ from growtrain.callbacks.restore import take_snapshot
 from growtrain.callbacks.trial_check import BlockTrials
 from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_HOLDOUT, DEFAULT_TRIAL_LR
 from growtrain.callbacks.probe_data import (
-    Converted as _Converted, Fingerprinted, ProbeView, check_split_indices, datasets_of, eval_output, first_input,
-    probe_overlap,
+    Converted as _Converted, Fingerprinted, ProbeView, check_probe_setup, check_split_indices, datasets_of, eval_output,
+    first_input, probe_overlap,
 )  # fmt: skip
 from growtrain.batches import to_device
 from growtrain.crossfit import probe_size
@@ -297,6 +297,7 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         if self.start_depth is None:
             self.start_depth = self._depth(self._network)
         self._check_lr_schedule(trainer)
+        check_probe_setup(trainer, pl_module, self._network, self._probe_loader(trainer, shard=False), self._loss)
         probe = self._probe_loader(trainer)
         probe_ds = getattr(probe, "dataset", None)
         for ds in datasets_of(trainer.train_dataloader):
@@ -437,13 +438,12 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             rank_zero_warn(no_check, category=UserWarning)
         if not (self.verbose and trainer.is_global_zero):
             return
-        keys = ("train_loss", "val_loss", "train_acc", "val_acc")
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k in keys}
+        metrics, measured_on = telemetry.final_metrics(self.history, trainer.callback_metrics, trainer.global_step)
         telemetry.print_renderable(trainer, telemetry.fit_summary(
             self.history, start_depth=self.start_depth, final_depth=self._depth(self._network), finished=self.finished,
             stop_reason=self.stop_reason, metrics=metrics,
             probe_seconds=self.probe_seconds + (self._trials.seconds if self._trials is not None else 0.0),
-            fit_seconds=time.perf_counter() - self._fit_start, no_check=no_check,
+            fit_seconds=time.perf_counter() - self._fit_start, no_check=no_check, measured_on=measured_on,
             outputs=guidance.output_lines(trainer, history_path=path, history_written=written),
         ), soft_wrap=True)  # fmt: skip
 

@@ -3,7 +3,9 @@
 The probe sample must be independent of training (the certificate's premise): ``probe_overlap``
 detects the common ways it is not. Under DDP every rank reads a disjoint shard (``shard_loader``)
 and the probe sums are all-reduced, so all ranks decide alike. ``ProbeView`` lets the probe run
-the LightningModule's whole forward while the sites are the growable trunk's.
+the LightningModule's whole forward while the sites are the growable trunk's (the network's own
+forward when the module defines none). ``check_probe_setup`` runs once before the first step: a
+probe batch through that forward and the loss, and a fresh block at each stage is the identity.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, Subset
 
 __all__ = ["probe_overlap", "ShardSampler", "shard_loader", "loaders_of", "datasets_of", "ProbeView",
-           "first_input", "eval_output", "check_split_indices"]
+           "first_input", "eval_output", "check_split_indices", "has_forward", "check_probe_setup"]
 
 
 def _base_and_indices(ds: Any) -> tuple[Any, set[int] | None]:
@@ -111,21 +113,38 @@ def datasets_of(loaders: Any) -> list[Any]:
 
 
 # -- the probe's view of the model ------------------------------------------------------------
+def has_forward(module: nn.Module) -> bool:
+    """Does ``module`` define ``forward``? Lightning does not require one (a ``training_step``
+    may call ``self.net`` directly); ``nn.Module``'s and ``LightningModule``'s only raise."""
+    unimplemented = [nn.Module.forward]
+    try:
+        from lightning.pytorch import LightningModule
+
+        unimplemented.append(LightningModule.forward)
+    except ImportError:  # pragma: no cover - growtrain depends on Lightning
+        pass
+    return getattr(type(module), "forward", None) not in unimplemented
+
+
 class ProbeView:
     """The growable ``network``'s sites and stages, the LightningModule's forward.
 
     ``measure_saturation`` calls ``network(x)``; when the growable network is only part of the
     model (a trunk between an encoder and a head) the probe must still run the whole forward,
     input to output, so that ``loss_fn(output, target)`` is the model's loss. Site hooks sit on
-    the network's stages, which the module's forward runs. ``eval()`` / ``train()`` save and
-    restore every submodule's own mode (a frozen BatchNorm stays in eval).
+    the network's stages, which the module's forward runs. A module without ``forward`` (legal
+    in Lightning) is probed through the network itself: the only input → output map it names;
+    ``check_probe_setup`` refuses, before training, a network whose output the loss cannot take.
+    ``eval()`` / ``train()`` save and restore every submodule's own mode (a frozen BatchNorm
+    stays in eval).
     """
 
     def __init__(self, module: nn.Module, network: nn.Module):
         self.module, self.network = module, network
+        self.runs = module if has_forward(module) else network
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        return self.runs(*args, **kwargs)
 
     # Modes and parameters are the whole module's: ``measure_saturation`` saves every
     # submodule's mode and ``requires_grad`` flag through these and restores them afterwards,
@@ -251,3 +270,92 @@ class Converted:
 
     def __iter__(self):
         return (self.convert(batch) for batch in self.loader)
+
+
+def _block_name(block: nn.Module) -> str:
+    """A new block's class, the user's own inside ``ResidualAdapter`` (what ``GrowableStack`` wraps)."""
+    inner = getattr(block, "block", None)
+    if type(block).__name__ == "ResidualAdapter" and isinstance(inner, nn.Module):
+        return f"{type(inner).__name__} (in ResidualAdapter)"
+    return type(block).__name__
+
+
+def _first_sites(network: nn.Module) -> list:
+    """The first candidate site of each stage: every block of a stage comes from one ``make_block``."""
+    first: dict[str, Any] = {}
+    for site in network.sites():
+        first.setdefault(site.stage, site)
+    return list(first.values())
+
+
+@torch.no_grad()
+def check_probe_setup(trainer: Any, pl_module: nn.Module, network: nn.Module, loader: Iterable, loss_fn: Any,
+                      seed: int = 0) -> None:  # fmt: skip
+    """Refuse, before the first training step, what would otherwise fail only at the first check,
+    a whole stage later: one probe batch must run through the probe's forward and its loss
+    (a module without ``forward`` is probed through ``network``), and a fresh block inserted at
+    the first site of each stage, its last map zero, must leave the output unchanged (a block
+    must return ``x + f(x)``). Leaves the network, its growth record and every mode as they were.
+    ``seed`` seeds the trial blocks privately. On a fork of the random number generators: a
+    DataLoader iterator draws its base seed from torch's global generator, and this check must
+    not move the training data order (a run with it trains as one without it)."""
+    device = next(network.parameters()).device
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        _check_probe_setup(trainer, pl_module, network, loader, loss_fn, seed)
+
+
+def _check_probe_setup(trainer: Any, pl_module: nn.Module, network: nn.Module, loader: Iterable, loss_fn: Any,
+                       seed: int) -> None:  # fmt: skip
+    from growtrain import fsdp
+    from growtrain.batches import to_device
+    from growtrain.decision import insertion_tolerance
+
+    view = ProbeView(pl_module, network)
+    device = next(network.parameters()).device
+    batch = None
+    for batch in Converted(loader, trainer):
+        break
+    if batch is None:
+        raise ValueError("probe: the probe loader yielded no batches. Fix: give the probe at least one sample.")
+    x = to_device(batch[0] if isinstance(batch, (list, tuple)) else batch, device)
+    y = to_device(batch[-1], device) if isinstance(batch, (list, tuple)) and len(batch) > 1 else None
+    try:
+        with evaluating(view):
+            out = view(x)
+            if y is not None:
+                loss_fn(out, y)
+    except Exception as error:
+        if has_forward(pl_module):
+            raise
+        raise ValueError(
+            f"network: {type(pl_module).__name__} defines no forward(), so the probe runs the growable network "
+            f"({type(network).__name__}) alone, input to output, and scores its output with the probe loss; on a probe "
+            f"batch that failed: {type(error).__name__}: {error}. Fix: define forward(x) on {type(pl_module).__name__}, "
+            "returning what training_step feeds the loss (e.g. self.head(self.net(self.encoder(x)))), or pass "
+            "loss_fn= that takes the network's output."
+        ) from error
+    if fsdp.is_sharded(pl_module):  # a sharded trial insertion needs the growth step's sharding: checked there
+        return
+    before = eval_output(view, x)
+    scale = float(before.float().abs().max()) if before.numel() else 1.0
+    tolerance = insertion_tolerance(before.dtype, scale)
+    for site in _first_sites(network):
+        log_len = len(network.growth_log)
+        block = network.grow(site, block=network.new_block(site, seed=seed))  # what grow inserted (it may wrap)
+        try:
+            after = eval_output(view, x)
+        finally:
+            network.undo_growth([block], log_len)
+        change = float((after.float() - before.float()).abs().max()) if after.shape == before.shape else float("inf")
+        if not change <= tolerance:  # also a NaN
+            name = _block_name(block)
+            raise ValueError(
+                f"network: a new {name} block at site {site.name}, its last map zero, changed the model's output by "
+                f"max|Δ|={change:.3g} (tolerance {tolerance:.3g}), so no block could be inserted without changing "
+                f"what the network computes. A growable block must return x + f(x), carrying its own skip "
+                f"connection, with f's last map (its terminal_parameters(), zeroed by zero_init_last()) zero, so a "
+                f"new block is the identity. Fix: make {name.split()[0]}.forward return x + f(x); if it applies an "
+                "activation after the sum, the site's input must already be in its identity range (e.g. >= 0 after "
+                "a ReLU)."
+            )

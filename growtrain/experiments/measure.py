@@ -6,6 +6,13 @@ growth value), AG in both of the paper's normalisations (Remark 1: sample-normal
 coordinate-normalised ``AG/√N_l``, ``N_l`` the activation size per sample), the batch-level
 ``AG`` of Eq. (2), and the realisability ratio ``V_S/AG``; the decision ``Γ̂ ≤ δ+t`` and its
 error bound in the caption. Written as ``measure.json`` and ``measure.md``.
+
+It answers one question, and says so: the *first-order* value of one new zero-output block at
+each site of this network as it is (the probe gradient of the block's last map, before any
+training). The growth callback decides by other questions by default: what a new block is worth
+once trained (``decision="trial"``), or what the last stage realized (``decision="gain"``). So
+on a checkpoint whose fit ended growth, the report says how its verdict relates to the fit's
+(the callback's ``finished`` and ``stop_reason`` are in the checkpoint).
 """
 
 from __future__ import annotations
@@ -21,16 +28,65 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from growtrain.experiments.runs import (
     fmt,
     growable_of,
-    load_checkpoint_into,
     markdown_table,
     prepare,
     probe_loss_of,
+    read_checkpoint_into,
     rich_table,
 )
 from growtrain.decision import DEFAULT_RULE, DEFAULT_TAU
 from growtrain.saturation import SaturationReport, measure_saturation
 
-__all__ = ["MeasureResult", "run_measure", "site_dims"]
+__all__ = ["MeasureResult", "run_measure", "site_dims", "QUESTION", "fit_verdict", "relation_to_fit"]
+
+QUESTION = ("Question answered: the first-order value of one new zero-output block at each site of this network as "
+            "it is (the probe gradient of its last map, before any training): not what a new block is worth once "
+            "trained (the growth callback's trial, decision='trial'), nor what the last block realized "
+            "(decision='gain').")
+
+
+def fit_verdict(checkpoint: dict | None) -> dict | None:
+    """The growth callback's end of growth as the checkpoint saved it: ``finished``, ``stop_reason``,
+    the number of checks and what decided the last one; ``None`` without a growth callback's state."""
+    states = (checkpoint or {}).get("callbacks") or {}
+    state = next((v for k, v in states.items() if "GrowUntilSaturated" in str(k) and isinstance(v, dict)), None)
+    if state is None:
+        return None
+    history = state.get("history") or []
+    last = history[-1] if history else {}
+    decided_by = "trial" if last.get("trial") else "gain" if last.get("gain") else last.get("rule")
+    return {"finished": state.get("finished"), "stop_reason": state.get("stop_reason"), "checks": len(history),
+            "decided_by": decided_by}  # fmt: skip
+
+
+_DECIDED_BY = {
+    "trial": "block-only trials (decision='trial'): what a new block lowers the held-out loss by once trained",
+    "gain": "the realized gain of the last stage (decision='gain'): what the last block lowered the probe loss by",
+}
+
+
+def relation_to_fit(fit: dict | None, report: SaturationReport) -> str | None:
+    """How this report's verdict relates to the verdict of the fit that saved the checkpoint."""
+    if fit is None:
+        return None
+    mine = "saturated (no site certified)" if report.saturated else f"grow at {report.best_site}"
+    if fit["finished"] is None:
+        return (f"The fit that saved this checkpoint had not ended growth ({fit['checks']} check(s)); this report "
+                f"says: {mine}.")  # fmt: skip
+    if fit["finished"] == "budget":
+        return (f"The fit stopped growing at a budget ({fit['stop_reason']}), not at a verdict on depth; this report "
+                f"says: {mine}.")  # fmt: skip
+    how = _DECIDED_BY.get(fit["decided_by"], f"the first-order {fit['decided_by']} rule, this report's question")
+    text = f"The fit that saved this checkpoint stopped growing ({fit['stop_reason']}); it decided by {how}. "
+    if report.saturated:
+        return text + "This report agrees: no site's first-order value is certified."
+    if fit["decided_by"] in _DECIDED_BY:
+        return text + (f"This report says grow at {report.best_site}: the loss of a new block there certifiably falls "
+                       "when its last map leaves zero, which says nothing about how far. The fit measured that a "
+                       "trained block did not lower the loss by min_gain: the two do not contradict each other.")  # fmt: skip
+    return text + (f"This report says grow at {report.best_site}: the same question asked of this checkpoint's "
+                   "network (after any undo or anneal) with this probe and seed, where the fit's last check saw "
+                   "another state.")
 
 
 @dataclass
@@ -39,6 +95,7 @@ class MeasureResult:
     dims: dict[str, int]  # N_l: activation elements per sample at each site
     ckpt_path: str | None = None
     output_dir: Path | None = None
+    fit: dict | None = None  # fit_verdict() of the checkpoint
 
     def rows(self) -> list[dict]:
         out = []
@@ -48,7 +105,8 @@ class MeasureResult:
         return out
 
     def to_dict(self) -> dict:
-        return {"ckpt_path": self.ckpt_path, **self.report.to_dict(), "sites": self.rows()}
+        return {"ckpt_path": self.ckpt_path, **self.report.to_dict(), "sites": self.rows(), "question": QUESTION,
+                "fit": self.fit, "relation_to_fit": relation_to_fit(self.fit, self.report)}  # fmt: skip
 
     def _header_cells(self):
         header = ["site", "‖ĝ‖", "σ̂²", "V_S", "AG", "AG/√N", "AG (Eq. 2)", "V_S/AG"]
@@ -64,10 +122,13 @@ class MeasureResult:
     def caption(self) -> str:
         rep = self.report
         verdict = "saturated" if rep.saturated else f"grow at {rep.best_site}"
-        return (
+        lines = [
             f"{rep.rule} rule: {verdict} — Γ̂={fmt(rep.gamma)}, δ+t={fmt(rep.threshold)} (t={fmt(rep.t)}), "
-            f"error bound={fmt(rep.error_bound)}, n={rep.n}, AG_max={fmt(rep.ag_max)}"
-        )
+            f"error bound={fmt(rep.error_bound)}, n={rep.n}, AG_max={fmt(rep.ag_max)}",
+            QUESTION,
+        ]
+        relation = relation_to_fit(self.fit, rep)
+        return "\n".join(lines + ([relation] if relation else []))
 
     def table(self):
         header, rows = self._header_cells()
@@ -135,8 +196,8 @@ def run_measure(
     if rule is None:  # t is the paper rule's threshold: giving it asks for that rule
         rule = "paper" if t is not None else DEFAULT_RULE
     prepare(datamodule, "measure")
-    if ckpt_path is not None:
-        load_checkpoint_into(model, ckpt_path)
+    # the fit's verdict is all this needs of the checkpoint beyond the weights: no second copy kept
+    fit = fit_verdict(read_checkpoint_into(model, ckpt_path)) if ckpt_path is not None else None
     network = growable_of(model)
     probe = datamodule.probe_dataloader()
     report = measure_saturation(
@@ -144,7 +205,7 @@ def run_measure(
         seed=seed, variance=True,  # the measurement reports σ̂² and the paper's figures under every rule
     )
     example = next(iter(probe))[0].to(network.neighbour_tensor(network.sites()[0]).device)
-    result = MeasureResult(report, site_dims(network, example), ckpt_path=ckpt_path)
+    result = MeasureResult(report, site_dims(network, example), ckpt_path=ckpt_path, fit=fit)
     if output_dir is not None:
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)

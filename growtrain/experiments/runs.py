@@ -35,6 +35,7 @@ __all__ = [
     "architecture",
     "architecture_digest",
     "load_checkpoint_into",
+    "read_checkpoint_into",
     "mean_std",
     "module_at_depth",
     "module_with_stages",
@@ -226,6 +227,13 @@ def load_checkpoint_into(module: LightningModule, ckpt_path: str | os.PathLike) 
     ``on_load_checkpoint`` first (growtrain modules replay the recorded growth there), then
     ``load_state_dict``. Loaded with ``weights_only=True``, like ``LightningCLI``.
     """
+    read_checkpoint_into(module, ckpt_path)
+    return module
+
+
+def read_checkpoint_into(module: LightningModule, ckpt_path: str | os.PathLike) -> dict:
+    """:func:`load_checkpoint_into`, returning the checkpoint (its callbacks' states included),
+    so a caller that needs more of it does not read the file twice."""
     path = Path(ckpt_path)
     if not path.is_file():
         raise FileNotFoundError(f"ckpt_path: no checkpoint file at {str(path)!r}")
@@ -233,7 +241,7 @@ def load_checkpoint_into(module: LightningModule, ckpt_path: str | os.PathLike) 
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     module.on_load_checkpoint(checkpoint)
     module.load_state_dict(checkpoint["state_dict"])
-    return module
+    return checkpoint
 
 
 # -- data ---------------------------------------------------------------------------------------

@@ -108,12 +108,14 @@ class StoppingResult:
             rows.append([f"{d}{mark}", str(t[2]), f"{fmt(t[0])} ± {fmt(t[1])}", fmt(tr[0]), fmt(ep[0], 3),
                          fmt((fl[0] or 0) / 1e9, 3)])  # fmt: skip
         for g in s["growth"]:
-            rows.append([f"growth → {g['depth']}", f"seed {g['seed']}", fmt(g["test_loss"]), fmt(g["train_loss"]),
+            found = f"growth → {g['depth']}" if g.get("stopped") else f"growth (not ended) at {g['depth']}"
+            rows.append([found, f"seed {g['seed']}", fmt(g["test_loss"]), fmt(g["train_loss"]),
                          str(g["epochs"]), f"{fmt(g['flops'] / 1e9, 3)} ({fmt(g['compute_vs_sweep'], 2)}× sweep)"])  # fmt: skip
         return header, rows
 
     def table(self):
-        reasons = "; ".join(f"seed {g['seed']}: {g['stopped']}" for g in self.growth)
+        reasons = "; ".join(f"seed {g['seed']}: {g['stopped'] or 'not ended (the fit ended first: no verdict)'}"
+                            for g in self.growth)  # fmt: skip
         return rich_table(*self._cells(), title="Growth until saturated vs a from-scratch depth sweep",
                           caption=f"d* = {self.d_star} (best {self.best_depth}); growth stopped by: {reasons}",
                           left_columns=1)  # fmt: skip

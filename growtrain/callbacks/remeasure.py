@@ -1,0 +1,208 @@
+"""The metrics of a network handed over by an undo (``restore_best``), measured on it.
+
+When a check undoes the last growth, the epoch's logged numbers (``train_loss``, ``val_loss``,
+``val_acc``, ...) belong to the network that was just removed: validation ran before the check,
+and the training loss is that epoch's mean over the removed network. Carried over, they would
+become the end-of-fit summary's "final" line, the checkpoint callback's score and the last
+logged metrics of a network nobody gets. So the restored network is measured again:
+
+- the validation metrics with the module's own ``validation_step`` over the trainer's val
+  loaders, in eval mode without gradients (what ``trainer.validate`` on the checkpoint gives:
+  what the step logs, batch-size-weighted means, torchmetrics computed then reset);
+- ``train_loss`` with the probe's loss over the trainer's train set (every sample once, in
+  order), in eval mode and without augmentation: the network as handed over, not an average
+  over an epoch of changing weights.
+
+:func:`publish` logs them from the running ``on_train_epoch_end`` hook, so the monitoring
+callbacks that run after the growth callback (``ModelCheckpoint``, ``EarlyStopping``) and the
+loggers see the restored network's numbers. ``telemetry.final_metrics`` picks the numbers the
+end-of-fit summary shows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+# evaluating: the whole module in eval mode, then every submodule's own mode back (a frozen BatchNorm stays in eval)
+from growtrain.callbacks.probe_data import evaluating as _eval_mode, loaders_of, shard_loader
+
+__all__ = ["remeasure", "publish"]
+
+
+def _limit(count: Any) -> int | None:
+    """A loader's batch limit from ``trainer.num_*_batches`` (``inf``: the whole loader)."""
+    if count is None or (isinstance(count, float) and math.isinf(count)):
+        return None
+    return int(count)
+
+
+def _batches(loader: Any, limit: int | None) -> Any:
+    return loader if limit is None else itertools.islice(loader, limit)
+
+
+def _to_device(trainer: Any, batch: Any, dataloader_idx: int) -> Any:
+    """A batch as the fit loop feeds it: the precision plugin's input conversion, then the strategy's transfer."""
+    batch = trainer.precision_plugin.convert_input(batch)
+    return trainer.strategy.batch_to_device(batch, dataloader_idx=dataloader_idx)
+
+
+class _Captured:
+    """What a module's ``self.log`` calls record while ``validation_step`` runs outside Lightning's loop.
+
+    Plain values: the batch-size-weighted sum and the weight (Lightning's epoch mean); a
+    torchmetrics ``Metric``: the object, computed at the end (its state is the pass's)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.weights: dict[str, float] = {}
+        self.metrics: dict[str, Any] = {}
+        self.batch: Any = None
+
+    def log(self, name: str, value: Any, *args: Any, batch_size: int | None = None, **kwargs: Any) -> None:
+        if hasattr(value, "compute") and hasattr(value, "reset"):  # a torchmetrics Metric
+            self.metrics[name] = value
+            return
+        if batch_size is None:
+            from lightning.pytorch.utilities.data import extract_batch_size
+
+            try:
+                batch_size = extract_batch_size(self.batch)
+            except Exception:  # a batch Lightning cannot size either: each step counts once
+                batch_size = 1
+        value = torch.as_tensor(value, dtype=torch.float64).detach().cpu()
+        self.sums[name] = self.sums.get(name, torch.zeros((), dtype=torch.float64)) + value * batch_size
+        self.weights[name] = self.weights.get(name, 0.0) + float(batch_size)
+
+    def log_dict(self, dictionary: dict, *args: Any, **kwargs: Any) -> None:
+        for name, value in dictionary.items():
+            self.log(name, value, *args, **kwargs)
+
+    def values(self, trainer: Any) -> dict[str, float]:
+        out = {}
+        for name in self.sums:
+            total = torch.stack([self.sums[name], torch.tensor(self.weights[name], dtype=torch.float64)])
+            if trainer.world_size > 1:  # every rank read its shard: the mean is over all of them
+                total = trainer.strategy.reduce(total.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+            out[name] = float(total[0] / total[1]) if float(total[1]) > 0 else float("nan")
+        for name, metric in self.metrics.items():  # torchmetrics syncs its own state across ranks
+            out[name] = float(metric.compute())
+            metric.reset()  # the next validation epoch starts from an empty state, as Lightning leaves it
+        return out
+
+
+@contextmanager
+def _as_validation(trainer: Any) -> Iterator[None]:
+    """The trainer in its validating stage, as the fit loop sets it for validation (a datamodule
+    augments only while ``trainer.training``), then back in the stage it was in."""
+    stage = trainer.state.stage
+    trainer.validating = True
+    try:
+        yield
+    finally:
+        trainer.state.stage = stage
+
+
+@contextmanager
+def _capturing(pl_module: nn.Module, captured: _Captured) -> Iterator[None]:
+    """``pl_module.log`` / ``log_dict`` record into ``captured`` (instance attributes shadow the methods)."""
+    pl_module.__dict__["log"], pl_module.__dict__["log_dict"] = captured.log, captured.log_dict
+    try:
+        yield
+    finally:
+        del pl_module.__dict__["log"], pl_module.__dict__["log_dict"]
+
+
+def _validation(trainer: Any, pl_module: Any) -> dict[str, float]:
+    """The module's own validation metrics on the trainer's val loaders, or ``{}`` when the fit has none."""
+    loaders = loaders_of(getattr(trainer, "val_dataloaders", None))
+    limits = list(getattr(trainer, "num_val_batches", None) or [])
+    if not loaders or not callable(getattr(pl_module, "validation_step", None)):
+        return {}
+    if len(limits) != len(loaders):
+        limits = [None] * len(loaders)
+    if all(limit == 0 for limit in limits):  # limit_val_batches=0: this fit does not validate
+        return {}
+    captured = _Captured()
+    with _capturing(pl_module, captured), _as_validation(trainer), _eval_mode(pl_module), torch.no_grad():
+        pl_module.on_validation_epoch_start()
+        for idx, (loader, limit) in enumerate(zip(loaders, limits)):
+            for batch_idx, batch in enumerate(_batches(loader, _limit(limit))):
+                captured.batch = batch = _to_device(trainer, batch, idx)
+                extra = (idx,) if len(loaders) > 1 else ()
+                with trainer.precision_plugin.val_step_context():
+                    pl_module.validation_step(batch, batch_idx, *extra)
+        pl_module.on_validation_epoch_end()
+    return captured.values(trainer)
+
+
+def _in_order(loader: Any, trainer: Any) -> Any:
+    """Every sample of a train loader once, in order (no shuffle, no dropped last batch), this
+    rank's shard under DDP: the loss then does not depend on a shuffle. A loader that cannot be
+    rebuilt (an iterable dataset, a custom batch sampler) is read as it is."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if not isinstance(loader, DataLoader) or loader.batch_size is None or isinstance(loader.dataset, IterableDataset):
+        return loader
+    ordered = DataLoader(loader.dataset, batch_size=loader.batch_size, shuffle=False, drop_last=False,
+                         collate_fn=loader.collate_fn, num_workers=loader.num_workers)  # fmt: skip
+    return shard_loader(ordered, trainer.global_rank, trainer.world_size)
+
+
+def _train_limit(trainer: Any, loader: Any) -> int | None:
+    """``limit_train_batches`` as a batch count, or ``None`` when the fit reads its whole loader."""
+    limit = _limit(getattr(trainer, "num_training_batches", None))
+    try:
+        whole = len(loader)
+    except TypeError:  # an iterable without a length
+        return limit
+    return limit if limit is not None and limit < whole else None
+
+
+def _train_loss(trainer: Any, forward: Callable, loss_fn: Callable, module: nn.Module) -> dict[str, float]:
+    """The probe's loss over the trainer's train loader, batch-size weighted, in eval mode."""
+    loaders = loaders_of(getattr(trainer, "train_dataloader", None))
+    if len(loaders) != 1:  # several train loaders: no single "train_loss" to re-measure
+        return {}
+    total = torch.zeros(2, dtype=torch.float64)
+    with _as_validation(trainer), _eval_mode(module), torch.no_grad():
+        for batch in _batches(_in_order(loaders[0], trainer), _train_limit(trainer, loaders[0])):
+            batch = _to_device(trainer, batch, 0)
+            x, y = (batch[0], batch[-1]) if isinstance(batch, (list, tuple)) else (batch, None)
+            with trainer.precision_plugin.val_step_context():
+                loss = loss_fn(forward(x), y)
+            n = len(y) if y is not None and hasattr(y, "__len__") else 1
+            total += torch.tensor([float(loss) * n, n], dtype=torch.float64)
+    if trainer.world_size > 1:
+        total = trainer.strategy.reduce(total.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+    return {"train_loss": float(total[0] / total[1])} if float(total[1]) > 0 else {}
+
+
+def remeasure(trainer: Any, pl_module: Any, forward: Callable, loss_fn: Callable) -> dict[str, float]:
+    """The handed-over network's validation metrics (the module's ``validation_step``) and
+    ``train_loss`` (``loss_fn(forward(x), y)`` over the train loader), both in eval mode.
+
+    ``forward``: the probe's view of the model (input → output). Call on every rank."""
+    metrics = _train_loss(trainer, forward, loss_fn, pl_module)
+    metrics.update(_validation(trainer, pl_module))  # the module's own train_* names are not produced here
+    return metrics
+
+
+def publish(pl_module: Any, metrics: dict[str, float]) -> bool:
+    """Log ``metrics`` from the running ``on_train_epoch_end`` hook (epoch-level, already the
+    same on every rank), so they replace the removed network's in ``trainer.callback_metrics``
+    for the callbacks after this one and in the epoch's logged metrics. ``False`` when the
+    module is not in a hook that may log (nothing is logged then)."""
+    if getattr(pl_module, "_current_fx_name", None) != "on_train_epoch_end" or getattr(pl_module, "_trainer", None) is None:
+        return False
+    trainer = pl_module._trainer
+    for name, value in metrics.items():
+        if math.isfinite(value):  # the same value on every rank: syncing it only keeps Lightning from warning
+            pl_module.log(name, value, on_step=False, on_epoch=True, sync_dist=trainer.world_size > 1,
+                          logger=bool(trainer.loggers))  # fmt: skip
+    return True

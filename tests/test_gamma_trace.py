@@ -1,0 +1,130 @@
+"""gamma_trace.png tells the run's story: every growth, every undo, the stop and its reason, the
+final network; and its panels show what decided under the rule in force (synthetic histories,
+expected values read off the records here, not from the plotting code)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+from matplotlib.colors import to_rgba
+
+from growtrain.callbacks.gamma_plot import final_state
+from growtrain.plots import plot_gamma_trace
+
+
+def _points(ax):
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+
+
+def _vlines(ax, color, style):
+    """x of the vertical lines of one colour and line style (``axvline``: two equal x values)."""
+    out = []
+    for line in ax.get_lines():
+        xs = list(line.get_xdata())
+        if len(xs) == 2 and xs[0] == xs[1] and not math.isnan(xs[0]) and line.get_linestyle() == style \
+                and to_rgba(line.get_color())[:3] == to_rgba(color)[:3]:  # fmt: skip
+            out.append(xs[0])
+    return sorted(out)
+
+
+def _notes(ax):
+    return [t.get_text() for t in ax.texts]
+
+
+def trial(min_gain, *tried):
+    """A decision="trial" record's verdict: the best lower bound among the usable trials."""
+    usable = [t for t in tried if not t.get("diverged")]
+    return {"lower_frac": max(t["lower_frac"] for t in usable), "min_gain": min_gain, "trials": list(tried),
+            "saturated": max(t["lower_frac"] for t in usable) <= min_gain}  # fmt: skip
+
+
+def t(site, gain, lower, upper):
+    return {"site": site, "gain_frac": gain, "lower_frac": lower, "upper_frac": upper, "diverged": False}
+
+
+def trial_history():
+    base = {"gamma": 0.2, "threshold": 0.6, "margin": 0.0, "rule": "crossfit"}
+    return [
+        {**base, "epoch": 4, "step": 50, "lower": 0.05, "action": "grow", "site": "layer1.1", "sites": ["layer1.1"],
+         "depth_before": 3, "depth": 4,
+         # the verdict rests on the best *lower bound* (layer1.1), not the best estimate (layer2.1)
+         "trial": trial(0.01, t("layer1.1", 0.08, 0.05, 0.11), t("layer2.1", 0.09, 0.02, 0.16))},
+        {**base, "epoch": 9, "step": 110, "lower": 0.01, "action": "grow", "site": "layer2.1", "sites": ["layer2.1"],
+         "depth_before": 4, "depth": 5,
+         "trial": trial(0.01, {"site": "layer1.2", "diverged": True}, t("layer2.1", 0.04, 0.02, 0.06))},
+        {**base, "epoch": 14, "step": 170, "lower": -0.01, "action": "saturated", "site": None, "sites": [],
+         "depth_before": 5, "depth": 5, "reason": "saturated: no block tried lowers the held-out loss by more than 1 %",
+         "trial": trial(0.01, t("layer1.2", 0.001, -0.003, 0.005))},
+    ]  # fmt: skip
+
+
+def test_under_the_trial_rule_the_trial_panel_shows_what_decided():
+    history = trial_history()
+    fig = plot_gamma_trace(history)
+    first, trials, paper = fig.axes
+    best = [max((x for x in h["trial"]["trials"] if not x.get("diverged")), key=lambda x: x["lower_frac"])
+            for h in history]  # fmt: skip
+    lines = _points(trials)
+    assert lines["best tried block: held-out gain (estimate)"] == ([4, 9, 14], [b["gain_frac"] for b in best])
+    assert lines["its certified lower bound (decided)"] == ([4, 9, 14], [0.05, 0.02, -0.003])
+    assert lines["min_gain: grow when the bound is above"] == ([4, 9, 14], [0.01] * 3)
+    # the first-order scores only chose the sites: reported (hollow), none "decided"
+    lines = _points(first)
+    assert lines["best certified lower bound (reported)"] == ([4, 9, 14], [0.05, 0.01, -0.01])
+    assert "best certified lower bound (decided)" not in lines and "chose the trial sites" in first.get_title(loc="left")
+    assert _points(paper)[r"$\delta+t$ (paper)"] == ([4, 9, 14], [0.6] * 3)
+    for ax in fig.axes:  # every panel: the growths and the stop
+        assert _vlines(ax, "C3", "-") == [4, 9] and _vlines(ax, "k", ":") == [14]
+    assert {"layer1.1", "layer2.1", "stop: saturated"} <= set(_notes(first))
+    footer = fig._supxlabel.get_text().replace("\n", " ")
+    assert "Final network: depth 5 (started at 3); blocks grown and kept: layer1.1, layer2.1." in footer
+    assert "Growth stopped at epoch 14 (saturated): saturated: no block tried lowers the held-out loss" in footer
+
+
+def gain_history():
+    """decision="gain": grew at 11 and 20; at 29 the second block did not pay and was undone."""
+    gain = lambda score, need, sat: {"rule": "gain", "score": score, "margin": need, "saturated": sat}  # noqa: E731
+    base = {"gamma": 0.2, "threshold": 0.6, "margin": 0.0, "rule": "crossfit", "lower": 0.02}
+    restored = {"removed_sites": ["layer1.2"], "removed_blocks": 1, "check": 1, "epoch": 20, "depth": 4}
+    return [
+        {**base, "epoch": 11, "action": "grow", "site": "layer1.1", "sites": ["layer1.1"], "depth_before": 3, "depth": 4},
+        {**base, "epoch": 20, "action": "grow", "site": "layer1.2", "sites": ["layer1.2"], "depth_before": 4,
+         "depth": 5, "gain": gain(0.05, 0.006, False)},
+        {**base, "epoch": 29, "action": "saturated", "site": None, "sites": [], "depth_before": 5, "depth": 4,
+         "gain": gain(-0.001, 0.005, True), "restored": restored,
+         "reason": "saturated: the last block did not pay; restored the network of check 1"},
+    ]  # fmt: skip
+
+
+def test_an_undo_is_marked_and_the_final_network_is_the_restored_one(tmp_path):
+    fig = plot_gamma_trace(gain_history(), tmp_path / "trace.png")
+    first, gain, paper = fig.axes
+    assert _points(gain)["certified gain of the last block"] == ([20, 29], [0.05, -0.001])
+    for ax in fig.axes:
+        assert _vlines(ax, "C3", "-") == [11, 20] and _vlines(ax, "C4", "--") == [29] and _vlines(ax, "k", ":") == [29]
+    assert "undone: layer1.2 → depth 4" in _notes(first) and "stop: saturated" in _notes(first)
+    labels = [line.get_label() for line in first.get_lines()]
+    assert "block undone (restore_best)" in labels and "growth stopped" in labels
+    footer = fig._supxlabel.get_text().replace("\n", " ")
+    assert "Final network: depth 4 (started at 3); blocks grown and kept: layer1.1; undone: layer1.2." in footer
+    assert "restored the network of check 1" in footer
+    assert (tmp_path / "trace.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_fit_that_ended_before_growth_did_says_so():
+    history = trial_history()[:2]
+    fig = plot_gamma_trace(history)
+    assert all(_vlines(ax, "k", ":") == [] for ax in fig.axes)
+    assert "Growth had not ended when the fit stopped" in fig._supxlabel.get_text().replace("\n", " ")
+
+
+def test_the_callbacks_final_state_is_the_footer():
+    """The callback's network (after any undo) is the final architecture the figure names."""
+    network = SimpleNamespace(depth=lambda: 4, growth_log=[{"site": "layer1.1", "stage": "layer1", "index": 1}])
+    callback = SimpleNamespace(_network=network, start_depth=3, finished="saturated", stop_reason="the reason")
+    final = final_state(callback)
+    assert final == {"start_depth": 3, "finished": "saturated", "stop_reason": "the reason", "depth": 4,
+                     "sites": ["layer1.1"]}  # fmt: skip
+    footer = plot_gamma_trace(gain_history(), final=final)._supxlabel.get_text().replace("\n", " ")
+    assert "depth 4 (started at 3); blocks grown and kept: layer1.1;" in footer and "(saturated): the reason" in footer
