@@ -128,7 +128,7 @@ def fit_check(args, device, precision: str, root: Path) -> dict:
     module = ImageClassifier(width=width, num_classes=10)
     # monitor=None: a check at the end of every epoch (no plateau wait).
     # restore_best=False: this checks the growth mechanics on the device, so an unpaid block stays
-    options = dict(rule="paper", t=1e-9, max_growths=2, monitor=None, every_n_epochs=1, restore_best=False,
+    options = dict(rule="paper", t=1e-9, decision="rule", max_growths=2, monitor=None, every_n_epochs=1, restore_best=False,
                    verbose=False)  # fmt: skip
     if "min_stage_epochs" in inspect.signature(GrowUntilSaturated).parameters:
         options["min_stage_epochs"] = 1  # check after every epoch

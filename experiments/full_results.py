@@ -105,8 +105,13 @@ def main():
     # of the best mean; with one seed per depth, the best depth itself)
     from growtrain.experiments.stopping import smallest_good_depth
 
-    d_star, best = smallest_good_depth({b: [by[b][s]["test_loss"] for s in by[b]] for b in by}) if by else (None, None)
-    print(f"\nd* = {d_star} blocks (lowest mean: {best}; smallest within one standard error of it)" if d_star else "")
+    # over the seeds with the most depths (a depth trained for one seed only would be compared
+    # with other depths' means over other seeds)
+    full = [s for s in seeds if sum(s in by[b] for b in by) == max(sum(t in by[b] for b in by) for t in seeds)]
+    ref = {b: [by[b][s]["test_loss"] for s in full if s in by[b]] for b in by}
+    d_star, best = smallest_good_depth({b: v for b, v in ref.items() if v}) if by else (None, None)
+    print(f"\nd* = {d_star} blocks (seeds {full}: lowest mean at {best}; d* is the smallest depth within one "
+          f"standard error of it)" if d_star else "")
     print("\n### Growth runs\n")
     print("| run | checks: blocks → action (best trial: gain ≥ lower bound) | handed over (blocks) | test loss | "
           "scratch at that depth, same seed | train loss | epochs | GFLOP, trials included (÷ seed 0's sweep) |")

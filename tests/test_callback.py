@@ -115,7 +115,7 @@ def test_table_printed_once_per_decision(tmp_path, monkeypatch):
     printed = []
     monkeypatch.setattr(telemetry, "rank_zero_info", printed.append)  # no RichProgressBar: logged
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e-9, max_growths=1, verbose=True)
+    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="paper", t=1e-9, max_growths=1, verbose=True)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
     trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm(synthetic_size=200, probe_size=40))
     tables = [m for m in printed if "growth check" in m]
@@ -128,7 +128,7 @@ def test_table_printed_once_per_decision(tmp_path, monkeypatch):
 def test_top_k_inserts_distinct_sites_with_valid_indices(tmp_path):
     L.seed_everything(0)
     module = ImageClassifier(width=4, num_classes=4, blocks=(2, 1, 1))
-    grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e-9, top_k=3, max_growths=1, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="paper", t=1e-9, top_k=3, max_growths=1, verbose=False)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
     trainer.fit(module, tiny_dm(synthetic_size=200, probe_size=40))
     first = grow.history[0]
@@ -157,7 +157,7 @@ def test_top_k_inserts_distinct_sites_with_valid_indices(tmp_path):
 
 def test_continue_keeps_training_without_further_checks(tmp_path):
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e3, on_saturated="continue", verbose=False)
+    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="paper", t=1e3, on_saturated="continue", verbose=False)
     steps = CountSteps()
     trainer = tiny_trainer(tmp_path, [grow, steps], max_epochs=3)
     trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm(synthetic_size=200, probe_size=40))
@@ -167,7 +167,7 @@ def test_continue_keeps_training_without_further_checks(tmp_path):
 
 def test_budget_ends_growth_but_not_training(tmp_path):
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e-9, max_blocks=4, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="paper", t=1e-9, max_blocks=4, verbose=False)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=3)
     module = ImageClassifier(width=4, num_classes=4)
     trainer.fit(module, tiny_dm(synthetic_size=200, probe_size=40))
@@ -188,7 +188,7 @@ def test_function_change_is_rolled_back_with_a_clear_error(tmp_path):
 
     L.seed_everything(0)
     module = ImageClassifier(width=4, num_classes=4)
-    grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e-9, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="paper", t=1e-9, verbose=False)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
     callback_module.measure_saturation = tampered
     try:
@@ -245,7 +245,7 @@ def test_users_own_module_with_probe_loader_and_loss(tmp_path):
     probe = DataLoader(Subset(ds, range(160, 240)), batch_size=40)
     L.seed_everything(0)
     module = UserModule()
-    grow = GrowUntilSaturated(monitor=None, probe=lambda: probe, network="trunk", loss_fn=F.cross_entropy, rule="paper", t=1e-9,
+    grow = GrowUntilSaturated(monitor=None, probe=lambda: probe, network="trunk", loss_fn=F.cross_entropy, decision="rule", rule="paper", t=1e-9,
                               max_growths=1, verbose=False)  # fmt: skip
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
     trainer.fit(module, train)
@@ -393,7 +393,7 @@ def test_probe_budget_postpones_checks_by_trained_samples(tmp_path):
     # 32 = 160 samples, so the first check is due after ceil(PROBE_COST × 1000 / 160) epochs
     due = math.ceil(PROBE_COST * 1000 / 160)
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, probe_budget=0.2, rule="paper", t=1e3, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, probe_budget=0.2, decision="rule", rule="paper", t=1e3, verbose=False)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=due + 1, limit_train_batches=5)
     trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm())
     assert [h["epoch"] for h in grow.history] == [due - 1]
@@ -415,7 +415,7 @@ def test_crossfit_rule_with_alpha_spending(tmp_path, monkeypatch):
 
     monkeypatch.setattr(crossfit_module, "_bound_factor", spy)
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, rule="crossfit", delta=0.1, alpha_spending="geometric", cooldown=1,
+    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="crossfit", delta=0.1, alpha_spending="geometric", cooldown=1,
                               min_gain=None, verbose=False)  # fmt: skip
     trainer = tiny_trainer(tmp_path, [grow])
     trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm())
@@ -431,8 +431,8 @@ def test_crossfit_rule_with_alpha_spending(tmp_path, monkeypatch):
         assert h["lower"] == max(s["lower"] for s in h["site_scores"])
         assert (h["action"] == "grow") == (h["lower"] > 0.1)
     assert first["rule"] == "crossfit"
-    # the cross-fit check forms no σ̂² (no per-sample gradients), so the paper's rule is not reported
-    assert "paper_decision" not in first["extra"] and "paper" not in first["verdicts"]
+    # every check also forms σ̂², so the paper's Γ̂ against δ+t is reported beside the deciding rule
+    assert "paper" in first["verdicts"] and first["threshold"] is not None and first["gamma"] is not None
     assert all(s["lower"] is not None for s in first["site_scores"])
     assert trainer.should_stop
 

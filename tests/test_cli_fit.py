@@ -63,7 +63,7 @@ trainer:
       init_args: {save_last: true, save_top_k: 0}
     - class_path: growtrain.callbacks.GrowUntilSaturated
       init_args: {monitor: null, rule: paper, t: 1.0e-9, delta: 0.0, max_growths: 1, verbose: false,
-                  lr_schedule: continue, min_gain: null}  # (jsonargparse merges these into the quickstart's)
+                  lr_schedule: continue, min_gain: null, decision: rule}  # (jsonargparse merges these into the quickstart's)
 """
 
 

@@ -185,7 +185,8 @@ def _fit(min_gain, tmp_path, rule="paper", extra=(), max_epochs=20, ckpt=None, d
     L.seed_everything(0)
     # the paper's rule with a tiny t always grows: only min_gain can end growth here
     kw = ({"t": 1e-12} if rule == "paper" else {}) | {"max_growths": 3} | kw
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, rule=rule, min_gain=min_gain, decision="gain",
+    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, rule=rule, min_gain=min_gain,
+                              decision="gain" if min_gain is not None else "rule",
                               lr_schedule="anneal", anneal_epochs=1, on_saturated="anneal", verbose=False, **kw)  # fmt: skip
     checkpoints = [L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1,
                                                        save_on_train_epoch_end=True)] if ckpt is not None else []  # fmt: skip

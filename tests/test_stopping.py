@@ -103,7 +103,7 @@ class RecordLRs(L.Callback):
 
 def _stage_anneal_fit(tmp_path, *, tau, max_epochs=20, ckpt_path=None, extra=(), **kw):
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, rule="relative", tau=tau, max_growths=1,
+    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, rule="relative", tau=tau, max_growths=1, decision="rule",
                               lr_schedule="anneal", on_saturated="anneal", anneal_epochs=2, verbose=False, **kw)  # fmt: skip
     record = RecordLRs()
     trainer = L.Trainer(max_epochs=max_epochs, callbacks=[grow, record, *extra], logger=False,
