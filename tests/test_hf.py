@@ -409,3 +409,31 @@ def test_epoch_loss_and_perplexity_are_token_weighted(which, llama_dir):
     assert float(module.metrics["val_loss"].compute()) == pytest.approx(expected, rel=1e-5)
     assert float(module.metrics["val_ppl"].compute()) == pytest.approx(math.exp(expected), rel=1e-5)
     assert abs(expected - sum(losses) / 2) > 1e-4  # the two batches' losses do differ
+
+
+def test_the_trial_decision_on_a_hf_decoder_leaves_it_bit_for_bit(llama_dir, quiet_trainer_kwargs):
+    """decision='trial' on the tiny HF Llama: the trial layer trains alone and is taken out again
+    (min_gain 500 %: no trial can pay), so the model after the check is the model before it."""
+    import copy
+
+    import lightning as L
+
+    from growtrain import GrowUntilSaturated
+    from growtrain.hf import HFCausalLM
+
+    class Before(L.Callback):  # runs before the grower: the state the check sees
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.state = copy.deepcopy(pl_module.state_dict())
+
+    before = Before()
+    grow = GrowUntilSaturated(decision="trial", min_gain=5.0, every_n_epochs=1, monitor=None, trial_holdout=0,
+                              verbose=False)  # fmt: skip
+    module = HFCausalLM(str(llama_dir))
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=3, limit_val_batches=1, callbacks=[before, grow],
+                        **quiet_trainer_kwargs)  # fmt: skip
+    trainer.fit(module, datamodule=_text_data())
+    trial = grow.history[0]["trial"]
+    assert grow.history[0]["action"] == "saturated" and trial["trials"] and not trial["trials"][0]["diverged"]
+    after = module.state_dict()
+    assert list(after) == list(before.state) and all(torch.equal(after[k], before.state[k]) for k in after)
+    assert module.network.depth() == 2 and module.network.growth_log == []
