@@ -24,6 +24,14 @@ def _one_thread():
 
 
 @pytest.fixture(autouse=True)
+def _work_in_tmp(tmp_path, monkeypatch):
+    """Every test runs in its own temporary directory: a Trainer without ``default_root_dir``
+    writes ``lightning_logs/`` and ``growth_history.json`` into the working directory, which must
+    never be the checkout. Tests reach repository files through absolute paths."""
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
 def _isolated_random_state():
     """Every test starts from the same global random state and leaves none behind.
 

@@ -283,3 +283,18 @@ def test_a_trial_never_trains_on_the_samples_it_is_scored_on():
     trained = [int(v) for _ in range(20) for v in next(batches)[0][:, 0]]  # 2.5 more passes
     assert len(held_ids) == 16 and not held_ids & set(trained)
     assert set(trained) == set(range(64)) - held_ids  # everything else is trained on
+
+
+def test_a_fit_without_a_root_dir_writes_into_the_tests_own_directory(tmp_path):
+    """The suite leaves no file in the checkout: the working directory of every test is its own
+    temporary directory (tests/conftest.py), where a Trainer's default outputs land."""
+    from pathlib import Path
+
+    assert Path.cwd() == tmp_path and Path.cwd() != Path(__file__).resolve().parents[1]
+    L.seed_everything(0)
+    grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, decision="rule", min_gain=None, max_growths=0,
+                              verbose=False)  # fmt: skip
+    trainer = L.Trainer(max_epochs=1, callbacks=[grow], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0)  # no root dir
+    trainer.fit(ImageClassifier(width=4, num_classes=4, in_channels=3), tiny_dm())
+    assert (tmp_path / "growth_history.json").exists()  # the default outputs landed here
