@@ -42,6 +42,14 @@ def _whole_epochs(ax, xs: Sequence[float]) -> None:
         ax.set_xlim(xs[0] - 1, xs[0] + 1)
 
 
+def _against_need(ax, x, need, need_label: str, ylabel: str, title: str) -> None:
+    """A decision panel's common part: what the statistic had to exceed, the zero line, the labels."""
+    ax.plot(x, need, "_", color="C3", ms=14, mew=2, label=need_label)
+    ax.axhline(0.0, color="0.6", lw=0.6)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9, loc="left")
+
+
 def _trial(record: dict) -> dict | None:
     """The block-only trial verdict of a check (``decision="trial"``), if any."""
     return record.get("trial") or (record.get("verdicts") or {}).get("trial")
@@ -148,22 +156,14 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
                       label="best tried block: held-out gain (estimate)")  # fmt: skip
         trial_ax.plot(tx, [_trial(h)["lower_frac"] for h in trials], "^", color="C2",
                       label="its certified lower bound (decided)")  # fmt: skip
-        trial_ax.plot(tx, [_trial(h)["min_gain"] for h in trials], "_", color="C3", ms=14, mew=2,
-                      label="min_gain: grow when the bound is above")  # fmt: skip
-        trial_ax.axhline(0.0, color="0.6", lw=0.6)
-        trial_ax.set_ylabel("fraction of the loss")
-        trial_ax.set_title("block-only trial: the best new block's held-out loss drop against min_gain", fontsize=9,
-                           loc="left")  # fmt: skip
+        _against_need(trial_ax, tx, [_trial(h)["min_gain"] for h in trials], "min_gain: grow when the bound is above",
+                      "fraction of the loss", "block-only trial: the best new block's held-out loss drop against min_gain")
     # -- min_gain: each later check's certified gain of the last block vs its need ------------------------------
     if gain_ax is not None:
         gx = [h[xkey] for h in gains]
         gain_ax.plot(gx, [_gain(h)["score"] for h in gains], "s", color="C4", label="certified gain of the last block")
-        gain_ax.plot(gx, [_gain(h)["margin"] for h in gains], "_", color="C3", ms=14, mew=2,
-                     label="need: min_gain × probe loss (grow above)")  # fmt: skip
-        gain_ax.axhline(0.0, color="0.6", lw=0.6)
-        gain_ax.set_ylabel("probe-loss drop")
-        gain_ax.set_title("realized gain: the last growth's certified probe-loss drop against its need", fontsize=9,
-                          loc="left")  # fmt: skip
+        _against_need(gain_ax, gx, [_gain(h)["margin"] for h in gains], "need: min_gain × probe loss (grow above)",
+                      "probe-loss drop", "realized gain: the last growth's certified probe-loss drop against its need")
     # -- secondary: the paper's Γ̂ and δ+t -----------------------------------------------------------------------
     x = [h[xkey] for h in measured]
     paper_ax.plot(x, [h["gamma"] for h in measured], "o-", color="0.4", ms=3, lw=0.8, label=r"$\hat\Gamma$ (paper)")

@@ -43,6 +43,8 @@ def test_train_block_moves_only_the_block_and_restores_flags_and_modes():
     block_before = copy.deepcopy(block.state_dict())
     fit = train_block(net, net, block, iter(batches()), F.cross_entropy, steps=10, lr=1e-2)
     assert fit["steps"] == 10 and not fit["diverged"]
+    # frozen means no gradient formed at all for the rest (no wasted work, nothing left behind)
+    assert all(p.grad is None for p in net.parameters() if not any(p is q for q in block.parameters()))
     assert any(not torch.equal(v, block_before[k]) for k, v in block.state_dict().items())
     net.undo_growth([block], 0)
     after = net.state_dict()

@@ -534,7 +534,6 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
 
     def _trial_decision(self, trainer, pl_module, network, report, record, depth, params):
         """decision='trial': block-only trials at the best site of each stage decide (trial_check.py)."""
-        self._pass_losses, self._pass_probe = None, None
         verdict, trials = self._trials.run(trainer, pl_module, network, report, self._probe_loader(trainer, shard=False),
                                            self._loss, record["level"])  # fmt: skip
         record["trial"] = {"saturated": verdict.saturated, "site": verdict.site, "lower_frac": verdict.score,
