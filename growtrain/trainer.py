@@ -244,6 +244,8 @@ class GrowTrainer(BaseGrowTrainer):
         skip_scratch: bool = False,
         skip_growth: bool = False,
         train: bool = True,
+        table: Optional[Union[str, list[int]]] = None,
+        compute_matched: bool = True,
     ):
         """Growth until saturated beside a from-scratch depth sweep under one stopping rule.
 
@@ -261,14 +263,19 @@ class GrowTrainer(BaseGrowTrainer):
             skip_scratch: only the growth runs (e.g. a control that changes the data or τ).
             skip_growth: only the scratch sweep (e.g. in a second process beside the growth runs).
             train: ``false`` summarises the rows already in ``runs.jsonl`` without training.
+            table: rows ``N`` of the paper's Table 1 built on the sweep's own networks (base = the
+                sweep's ``N−1`` network, scratch = its ``N`` network; ``growtrain.experiments.sweep_table``).
+            compute_matched: with ``table``, also the compute-matched Scratch arm.
         """
         out = self._experiment_dir("stopping", output_dir)
         result = run_stopping(
             model, datamodule, trainer_kwargs=self.init_kwargs, depths=depths, seeds=seeds, depth_kwarg=depth_kwarg,
             output_dir=out, resume=resume, skip_scratch=skip_scratch, skip_growth=skip_growth,
-            train=train,
+            train=train, table=table, compute_matched=compute_matched,
         )  # fmt: skip
         self._show(result.table())
+        if result.table1 is not None and result.table1.summary:
+            self._show(result.table1.table())
         self._wrote("stopping", out)
         return result
 

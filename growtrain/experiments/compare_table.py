@@ -183,17 +183,17 @@ class CompareResult:
         return self.table()
 
 
-def write_files(result: CompareResult, **options) -> None:
+def write_files(result: CompareResult, stem: str = "compare", **options) -> None:
     out = result.output_dir
-    (out / "compare.md").write_text("# Growth vs Scratch\n\n" + result.markdown() + "\n" + result.caption() + "\n")
+    (out / f"{stem}.md").write_text("# Growth vs Scratch\n\n" + result.markdown() + "\n" + result.caption() + "\n")
     fields = list(result.summary[0]) if result.summary else []
-    with open(out / "compare.csv", "w", newline="") as f:
+    with open(out / f"{stem}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         for row in result.summary:
             writer.writerow({k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in row.items()})
-    (out / "compare.json").write_text(
+    (out / f"{stem}.json").write_text(
         json.dumps({"options": options, "summary": result.summary, "runs": result.runs, "lookups": result.lookups},
                    indent=1, default=str)  # fmt: skip
     )
-    result.files = {k: out / f"compare.{k}" for k in ("md", "csv", "json")}
+    result.files = {k: out / f"{stem}.{k}" for k in ("md", "csv", "json")}

@@ -74,6 +74,7 @@ class StoppingResult:
     best_depth: int | None = None
     output_dir: Path | None = None
     files: dict[str, Path] = field(default_factory=dict)
+    table1: object | None = None  # a CompareResult when Table 1 was asked for (``table``)
 
     def summary(self) -> dict:
         by_depth: dict[int, list[dict]] = {}
@@ -165,13 +166,25 @@ def run_stopping(
     skip_scratch: bool = False,
     skip_growth: bool = False,
     train: bool = True,
+    table: str | Sequence[int] | None = None,
+    compute_matched: bool = True,
 ) -> StoppingResult:
     """Growth runs and a scratch sweep under one stopping rule; writes stopping.json/.md/.png.
 
     ``train=False`` trains nothing: it summarises the rows already in ``runs.jsonl`` (e.g. while
-    other processes are still filling it)."""
+    other processes are still filling it). ``table`` (values ``N`` of the depth hyper-parameter)
+    adds the paper's Table 1 built on the sweep's networks (``growtrain.experiments.sweep_table``;
+    ``compute_matched``: with the compute-matched arm), written to table1.md/.csv/.json."""
     values = parse_depths(depths)
     name = resolve_depth_kwarg(model, depth_kwarg)
+    rows = parse_depths(table) if table is not None else []
+    missing = sorted({v for n in rows for v in (n - 1, n)} - set(values))
+    if rows and (min(rows) < 1 or missing):
+        raise ValueError(
+            f"table: row N needs the sweep's networks at {name}=N-1 and N (its base and its scratch arm), so the "
+            f"rows {rows} need depths {sorted({v for n in rows for v in (n - 1, n)})}; depths={depths!r} lacks "
+            f"{missing}. Fix: e.g. --depths={min(rows) - 1}..{max(rows)} (rows must be ≥ 1)."
+        )
     prepare(datamodule, "stopping")
     check_rebuildable(model, module_factory)
     kwargs = dict(trainer_kwargs or {})
@@ -230,20 +243,31 @@ def run_stopping(
         for r in scratch_rows:
             by_depth.setdefault(r["depth"], []).append(r["test_loss"])
         result.d_star, result.best_depth = smallest_good_depth(by_depth)
+    if rows:
+        from growtrain.experiments.sweep_table import table_arms
+
+        train_fn = lambda module, root, grower, seed, extra=(): _train(  # noqa: E731
+            module, datamodule, kwargs, root, others, grower, name, depth_offset(model, name), seed, extra)
+        result.table1 = table_arms(
+            model=model, datamodule=datamodule, kwargs=kwargs, log=log, out=out, name=name, rows=rows, seeds=seeds,
+            keep=others, grower=lambda: _scratch_grower(grow), train_fn=train_fn, anneal_epochs=grow.anneal_epochs,
+            compute_matched=compute_matched, train=train, factory=module_factory,
+        )  # fmt: skip
+        result.files.update({f"table1.{k}": v for k, v in result.table1.files.items()})
     (out / "stopping.json").write_text(json.dumps({"summary": result.summary(), "growth": growth_rows,
                                                    "scratch": scratch_rows}, indent=1, default=str))  # fmt: skip
     (out / "stopping.md").write_text("# Growth until saturated vs a from-scratch sweep\n\n" + result.markdown())
     from growtrain.plots import plot_stopping
 
     plot_stopping(result.summary(), growth_rows, out / "stopping.png")
-    result.files = {k: out / f"stopping.{k}" for k in ("json", "md", "png")}
+    result.files.update({k: out / f"stopping.{k}" for k in ("json", "md", "png")})
     return result
 
 
 def _train(module, datamodule, kwargs, root: Path, keep, grower: GrowUntilSaturated, name: str, offset: int,
-           seed: int) -> dict:  # fmt: skip
+           seed: int, extra=()) -> dict:  # fmt: skip
     meter = ComputeMeter()
-    trainer = sibling_trainer(kwargs, root, keep=keep, extra_callbacks=[meter, grower])
+    trainer = sibling_trainer(kwargs, root, keep=keep, extra_callbacks=[meter, grower, *extra])
     # A training cut short (a killed session) resumes from its last epoch checkpoint: the growth
     # callback, the compute meter and the optimizer are in it, so the row is the one an
     # uninterrupted run writes (its wall_s counts the resumed part only).
@@ -257,9 +281,18 @@ def _train(module, datamodule, kwargs, root: Path, keep, grower: GrowUntilSatura
         "seed": seed, "depth": blocks - offset, "blocks": blocks,
         "train_loss": evaluate(module, datamodule, "train", kwargs, root / "eval").get("loss"),
         "test_loss": evaluate(module, datamodule, "test", kwargs, root / "eval").get("loss"),
-        "epochs": trainer.current_epoch, "flops": meter.flops, "wall_s": wall, "probe_s": grower.probe_seconds,
+        "epochs": trainer.current_epoch, "steps": meter.steps, "flops": meter.flops, "wall_s": wall,
+        "probe_s": grower.probe_seconds, "checkpoint": _saved(trainer, root),
         "stopped": grower.finished, "stop_reason": grower.stop_reason, "growths": grower.growths,
         "history": [{k: h.get(k) for k in ("epoch", "depth_before", "action", "site", "lower", "margin", "reference",
                                             "ratio", "gamma", "threshold", "verdicts")} for h in grower.history],
         "params": sum(p.numel() for p in module.parameters()),
     }  # fmt: skip
+
+
+def _saved(trainer, root: Path) -> str:
+    """The final network's checkpoint (Table 1 on the sweep loads it as a base): saved here at
+    the end of the fit, so it is the network the row measured, whatever ModelCheckpoint kept."""
+    path = root / "final.ckpt"
+    trainer.save_checkpoint(path)
+    return str(path)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Table 1 on the full Fashion-MNIST, built on the stopping sweep's own networks (issue 30).
+#   experiments/full_table.sh SEED [extra overrides, e.g. --compute_matched=false]
+# Needs the sweep's scratch rows added=0..4 of SEED in runs/stopping_full/runs.jsonl, each with its
+# final checkpoint (new rows: final.ckpt; older rows: the newest checkpoints/*.ckpt; seed 0's rows
+# were trained in an earlier session, their networks are ../shared/data/fmnist-full-scratch/:
+#   for v in 0 1 2 3 4; do mkdir -p runs/stopping_full/scratch_added${v}_seed0/checkpoints &&
+#     cp ../shared/data/fmnist-full-scratch/seed0_blocks$((3+v)).ckpt runs/stopping_full/scratch_added${v}_seed0/checkpoints/; done
+# Every checkpoint is loaded and must reproduce its row's test loss, else the row is refused.)
+# Resumable: finished arms are rows of runs.jsonl; a cut training resumes from its epoch checkpoint.
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export OMP_NUM_THREADS=1
+seed=$1; shift
+out=${OUT:-runs/stopping_full}
+growtrain stopping --config configs/fmnist/stopping.yaml \
+  --data.init_args.dataset=fashion-mnist --data.init_args.root=/usr/share/datasets/fashion-mnist \
+  --skip_growth=true --seeds="[$seed]" --depths=0..4 --table=1..4 --output_dir=$out --trainer.default_root_dir=$out "$@" \
+  >> $out/table_seed${seed}.log 2>&1
