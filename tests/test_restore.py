@@ -225,3 +225,22 @@ def test_final_metrics_are_the_trainers_when_training_followed_the_undo():
     assert final_metrics(history, {"val_loss": 0.5, "lr": 0.1}, global_step=10) == (
         {"val_loss": 1.0}, "re-measured on the restored network of check 0 (depth 3, eval mode)")
     assert final_metrics(history, {"val_loss": 0.5, "lr": 0.1}, global_step=12) == ({"val_loss": 0.5}, None)
+
+
+@pytest.mark.parametrize("save_on_train_epoch_end", [False, None])
+def test_a_checkpoint_saved_before_the_check_is_named_at_setup(tmp_path, save_on_train_epoch_end):
+    """A ModelCheckpoint that saves at validation end runs before the epoch's growth check, so
+    after an undo its file of that epoch holds the removed network: said at the start, with the
+    fix. Lightning's default (saving at train-epoch end, after every other callback) is silent."""
+    import warnings
+
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "late", save_on_train_epoch_end=save_on_train_epoch_end)
+    grow = GrowUntilSaturated(monitor=None, every_n_epochs=5, decision="gain", min_gain=0.01, verbose=False)
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=1, callbacks=[grow, ckpt], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, tiny_dm())
+    named = [w for w in caught if "save_on_train_epoch_end=True" in str(w.message)]
+    assert len(named) == (1 if save_on_train_epoch_end is False else 0)

@@ -36,6 +36,7 @@ from growtrain.callbacks.anneal import StageAnnealMixin
 from growtrain.callbacks.gain_check import RealizedGainMixin
 from growtrain.callbacks.growth_state import GrowthStateMixin
 from growtrain.callbacks.monitor import StageMonitorMixin
+from growtrain.callbacks.remeasure import stale_checkpoints
 from growtrain.callbacks.restore import take_snapshot
 from growtrain.callbacks.trial_check import BlockTrials
 from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_HOLDOUT, DEFAULT_TRIAL_LR
@@ -297,6 +298,8 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         if self.start_depth is None:
             self.start_depth = self._depth(self._network)
         self._check_lr_schedule(trainer)
+        if self.decision == "gain" and self.restore_best and (why := stale_checkpoints(trainer)):
+            rank_zero_warn(why)
         check_probe_setup(trainer, pl_module, self._network, self._probe_loader(trainer, shard=False), self._loss)
         probe = self._probe_loader(trainer)
         probe_ds = getattr(probe, "dataset", None)

@@ -206,3 +206,27 @@ def publish(pl_module: Any, metrics: dict[str, float]) -> bool:
             pl_module.log(name, value, on_step=False, on_epoch=True, sync_dist=trainer.world_size > 1,
                           logger=bool(trainer.loggers))  # fmt: skip
     return True
+
+
+def stale_checkpoints(trainer: Any) -> str | None:
+    """Why a ``ModelCheckpoint`` may hold the removed network after an undo, or None.
+
+    Growth checks run at the end of the training epoch; a checkpoint callback saves there too
+    (Lightning runs it after every other callback) unless it saves at the end of validation:
+    ``save_on_train_epoch_end=False``, validation every k > 1 epochs, or several times an epoch
+    (Lightning's own rule). Such a save precedes the check, so after an undo that epoch's file
+    holds the network the check removed, with its score, until the next save."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    every = trainer.check_val_every_n_epoch
+    interval = trainer.val_check_interval
+    mid_epoch = every not in (1, None) or not (isinstance(interval, float) and interval == 1.0)
+    late = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)
+            and (cb._save_on_train_epoch_end is False or (cb._save_on_train_epoch_end is None and mid_epoch))]  # fmt: skip
+    if not late:
+        return None
+    return (f"GrowUntilSaturated: {len(late)} ModelCheckpoint callback(s) save at the end of validation "
+            f"(save_on_train_epoch_end={late[0]._save_on_train_epoch_end}, check_val_every_n_epoch={every}, "
+            f"val_check_interval={interval}), which runs before a growth check: after an undo (restore_best) the "
+            "checkpoint of that epoch holds the removed network and its score until the next save. Fix: "
+            "ModelCheckpoint(save_on_train_epoch_end=True), or restore_best=False.")  # fmt: skip
