@@ -243,6 +243,9 @@ def test_the_stopping_experiments_seeded_growth_rule_does_not_warn_about_every_n
         grow = _seeded_grower(GrowUntilSaturated(monitor="val_loss", min_gain=None), 7)
         fixed = _seeded_grower(GrowUntilSaturated(monitor=None, every_n_epochs=3, min_gain=None), 7)
     assert (grow.seed, grow.config.seed, grow.every_n_epochs, fixed.every_n_epochs) == (7, 7, 1, 3)
+    # the trial collaborator is built from the seeded options (its blocks follow the run's seed)
+    trial = _seeded_grower(GrowUntilSaturated(monitor="val_loss", decision="trial", min_gain=0.01, trial_sites=2), 7)
+    assert (trial._trials.seed, trial._trials.sites, trial.decision) == (7, 2, "trial")
 
 
 def test_resume_false_says_it_discards_earlier_rows(tmp_path):

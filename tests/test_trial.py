@@ -300,3 +300,14 @@ def test_a_fit_without_a_root_dir_writes_into_the_tests_own_directory(tmp_path):
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0)  # no root dir
     trainer.fit(ImageClassifier(width=4, num_classes=4, in_channels=3), tiny_dm())
     assert (tmp_path / "growth_history.json").exists()  # the default outputs landed here
+
+
+def test_the_probes_share_of_a_trial_is_its_own_gain(tmp_path):
+    """``probe_gain_frac`` is the probe samples' mean gain over their mean loss before: with no
+    held-back training samples (trial_holdout=0) it is the pooled test's point estimate itself."""
+    grow, model, trainer = fit_trial(tmp_path, min_gain=5.0, trial_holdout=0)
+    trainer.fit(model, tiny_dm())
+    trials = grow.history[0]["trial"]["trials"]
+    assert all(t["n_holdout"] == 0 and t["n_probe"] > 0 for t in trials)
+    assert [t["probe_gain_frac"] for t in trials] == pytest.approx([t["gain_frac"] for t in trials], rel=1e-9)
+    assert any(abs(t["gain_frac"]) > 1e-4 for t in trials)  # the trials moved the loss: the equality is not 0 = 0

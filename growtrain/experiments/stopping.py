@@ -23,7 +23,6 @@ relative-rule ratio).
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import time
@@ -135,21 +134,23 @@ def _config_with(grow: GrowUntilSaturated, **changes) -> GrowthConfig:
     return replace(grow.config, every_n_epochs=every, **changes)
 
 
-def _scratch_grower(grow: GrowUntilSaturated) -> GrowUntilSaturated:
-    """The growth run's final-stage stopping rule with no growth: the same options, ``max_growths=0``."""
-    config = _config_with(grow, max_growths=0, verbose=False)
+def _grower_from(grow: GrowUntilSaturated, **changes) -> GrowUntilSaturated:
+    """A fresh callback built from ``grow``'s options with ``changes`` (its collaborators, e.g.
+    the trial runner, are built from them too, so nothing is patched after construction)."""
+    config = _config_with(grow, **changes)
     options = {name: getattr(config, name) for name in GrowthConfig.names()}
     # the config normalises a missing every_n_epochs to 1: pass "not given" again under a monitor
     return GrowUntilSaturated(**options | {"every_n_epochs": options["every_n_epochs"] if grow.config.monitor is None else None})
 
 
+def _scratch_grower(grow: GrowUntilSaturated) -> GrowUntilSaturated:
+    """The growth run's final-stage stopping rule with no growth: the same options, ``max_growths=0``."""
+    return _grower_from(grow, max_growths=0, verbose=False)
+
+
 def _seeded_grower(grow: GrowUntilSaturated, seed: int) -> GrowUntilSaturated:
-    """The configured growth callback with candidate blocks seeded by ``seed`` (a fresh copy per run)."""
-    runner = copy.deepcopy(grow)
-    runner.config, runner.seed = _config_with(grow, seed=seed), seed
-    if runner._trials is not None:  # the trial blocks follow the run's seed too
-        runner._trials.seed = seed
-    return runner
+    """The configured growth callback with candidate and trial blocks seeded by ``seed``."""
+    return _grower_from(grow, seed=seed)
 
 
 def run_stopping(
