@@ -246,6 +246,7 @@ class GrowTrainer(BaseGrowTrainer):
         train: bool = True,
         table: Optional[Union[str, list[int]]] = None,
         compute_matched: bool = True,
+        table_controls: bool = False,
     ):
         """Growth until saturated beside a from-scratch depth sweep under one stopping rule.
 
@@ -266,12 +267,14 @@ class GrowTrainer(BaseGrowTrainer):
             table: rows ``N`` of the paper's Table 1 built on the sweep's own networks (base = the
                 sweep's ``N−1`` network, scratch = its ``N`` network; ``growtrain.experiments.sweep_table``).
             compute_matched: with ``table``, also the compute-matched Scratch arm.
+            table_controls: with ``table``, also the base retrained under the same rule without a
+                block (so growth − control is the block's own value, apart from the extra training).
         """
         out = self._experiment_dir("stopping", output_dir)
         result = run_stopping(
             model, datamodule, trainer_kwargs=self.init_kwargs, depths=depths, seeds=seeds, depth_kwarg=depth_kwarg,
             output_dir=out, resume=resume, skip_scratch=skip_scratch, skip_growth=skip_growth,
-            train=train, table=table, compute_matched=compute_matched,
+            train=train, table=table, compute_matched=compute_matched, table_controls=table_controls,
         )  # fmt: skip
         self._show(result.table())
         if result.table1 is not None and result.table1.summary:

@@ -58,7 +58,7 @@ def _first_epoch_train_loss(directory) -> float:
 def test_table_on_the_sweep(tmp_path):
     L.seed_everything(0)
     result = run_stopping(tiny_model(), tiny_dm(), trainer_kwargs=kwargs(), depths=[0, 1], seeds=[0], table=[1],
-                          skip_growth=True, output_dir=tmp_path)  # fmt: skip
+                          skip_growth=True, output_dir=tmp_path, table_controls=True)  # fmt: skip
     rows = {json.loads(line)["key"]: json.loads(line) for line in open(tmp_path / "runs.jsonl")}
     base, scratch = rows["scratch/added=0/seed=0"], rows["scratch/added=1/seed=0"]
     growth, matched = rows["table/growth/added=1/seed=0"], rows["table/matched/added=1/seed=0"]
@@ -90,7 +90,15 @@ def test_table_on_the_sweep(tmp_path):
     row = result.table1.summary[0]
     assert row["growth_flops"] == pytest.approx(base["flops"] + growth["flops"])
     assert row["diff_test_loss"]["mean"] == pytest.approx(growth["test"]["loss"] - scratch["test_loss"], abs=1e-6)
-    assert (tmp_path / "table1.md").read_text().count("ResNet-8 + 1") == 2
+    assert (tmp_path / "table1.md").read_text().count("ResNet-8 + 1") == 3  # Table 1, its second part, the block value
+    # the control: the base retrained without a block (its architecture, from its weights); the block's own value
+    control = rows["table/control/added=0/seed=0"]
+    assert control["blocks"] == 3 and control["params"] == base["params"]
+    assert _first_epoch_train_loss(tmp_path / "table_control_added0_seed0") < 0.75 * _first_epoch_train_loss(
+        tmp_path / "scratch_added0_seed0")
+    assert row["gain_block"]["mean"] == pytest.approx(control["test"]["loss"] - growth["test"]["loss"], abs=1e-9)
+    assert row["gain_growth"]["mean"] == pytest.approx(base["test_loss"] - growth["test"]["loss"], abs=1e-6)
+    assert "the block's own" in (tmp_path / "table1.md").read_text()
     # a rerun trains nothing
     again = run_stopping(tiny_model(), tiny_dm(), trainer_kwargs=kwargs(), depths=[0, 1], seeds=[0], table=[1],
                          skip_growth=True, output_dir=tmp_path)  # fmt: skip

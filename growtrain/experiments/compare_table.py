@@ -118,6 +118,7 @@ class CompareResult:
     lookups: list[dict] = field(default_factory=list)
     arms: tuple[str, ...] = ("scratch", "growth", "matched")
     files: dict[str, Path] = field(default_factory=dict)
+    extra_markdown: str = ""  # a further table some experiments add (e.g. the block's own value)
 
     # -- table 1: converged losses, paired ------------------------------------------------------
     def header(self) -> list[str]:
@@ -185,7 +186,8 @@ class CompareResult:
 
 def write_files(result: CompareResult, stem: str = "compare", **options) -> None:
     out = result.output_dir
-    (out / f"{stem}.md").write_text("# Growth vs Scratch\n\n" + result.markdown() + "\n" + result.caption() + "\n")
+    extra = f"\n{result.extra_markdown}" if result.extra_markdown else ""
+    (out / f"{stem}.md").write_text("# Growth vs Scratch\n\n" + result.markdown() + "\n" + result.caption() + "\n" + extra)
     fields = list(result.summary[0]) if result.summary else []
     with open(out / f"{stem}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)

@@ -169,13 +169,15 @@ def run_stopping(
     train: bool = True,
     table: str | Sequence[int] | None = None,
     compute_matched: bool = True,
+    table_controls: bool = False,
 ) -> StoppingResult:
     """Growth runs and a scratch sweep under one stopping rule; writes stopping.json/.md/.png.
 
     ``train=False`` trains nothing: it summarises the rows already in ``runs.jsonl`` (e.g. while
     other processes are still filling it). ``table`` (values ``N`` of the depth hyper-parameter)
     adds the paper's Table 1 built on the sweep's networks (``growtrain.experiments.sweep_table``;
-    ``compute_matched``: with the compute-matched arm), written to table1.md/.csv/.json."""
+    ``compute_matched``: with the compute-matched arm; ``table_controls``: with the base retrained
+    without a block), written to table1.md/.csv/.json."""
     values = parse_depths(depths)
     name = resolve_depth_kwarg(model, depth_kwarg)
     rows = parse_depths(table) if table is not None else []
@@ -252,7 +254,7 @@ def run_stopping(
         result.table1 = table_arms(
             model=model, datamodule=datamodule, kwargs=kwargs, log=log, out=out, name=name, rows=rows, seeds=seeds,
             keep=others, grower=lambda: _scratch_grower(grow), train_fn=train_fn, anneal_epochs=grow.anneal_epochs,
-            compute_matched=compute_matched, train=train, factory=module_factory,
+            compute_matched=compute_matched, controls=table_controls, train=train, factory=module_factory,
         )  # fmt: skip
         result.files.update({f"table1.{k}": v for k, v in result.table1.files.items()})
     (out / "stopping.json").write_text(json.dumps({"summary": result.summary(), "growth": growth_rows,

@@ -10,7 +10,10 @@ Row ``N`` (final depth hyper-parameter ``N``, e.g. ``added=N``: ResNet-8 + N blo
 * **scratch** — the sweep's converged network at ``N`` (its row);
 * **matched** — the ``N`` network from the same random initialisation as scratch, trained for
   growth's *total* FLOPs (base + growth) with the same schedule shape: the constant rate, then
-  the stopping rule's cosine anneal over its last ``anneal_epochs`` epochs.
+  the stopping rule's cosine anneal over its last ``anneal_epochs`` epochs;
+* **control** (``table_controls``) — the base retrained under the same rule with NO block: the
+  growth arm's second stage of training is worth something by itself (a warm restart), so the
+  block's own value is growth − control, reported per row beside the growth's gain over its base.
 
 **One notion of "trained to convergence"** for the sweep and the table: the configured
 ``GrowUntilSaturated`` with ``max_growths=0`` — the constant rate until the held-out validation
@@ -154,7 +157,7 @@ def checkpoint_of(row: dict, out: Path, directory: str) -> Path:
 def table_arms(
     *, model: LightningModule, datamodule: LightningDataModule, kwargs: dict, log: RunLog, out: Path, name: str,
     rows: Sequence[int], seeds: Sequence[int], keep: Callable, grower: Callable, train_fn: Callable,
-    anneal_epochs: int, compute_matched: bool = True, train: bool = True, factory=None,
+    anneal_epochs: int, compute_matched: bool = True, controls: bool = False, train: bool = True, factory=None,
 ) -> CompareResult:  # fmt: skip
     """Table 1's arms for every row and seed on top of the sweep rows in ``log`` (see the module
     docstring); trains what is missing (``train``), summarises what exists."""
@@ -178,18 +181,25 @@ def table_arms(
             if compute_matched and matched is None and train:
                 matched = _matched_arm(model, datamodule, kwargs, log, out, name, n, seed, base, growth, keep,
                                        anneal_epochs, factory)  # fmt: skip
+            control = log.get(f"table/control/{name}={n - 1}/seed={seed}")
+            if controls and control is None and train:
+                control = _control_arm(model, datamodule, kwargs, log, out, name, n - 1, seed, base, train_fn, grower,
+                                       factory)  # fmt: skip
             equal = log.get(f"table/equal/{name}={n}/seed={seed}")
             if equal is None:
                 equal = _equal(model, datamodule, kwargs, log, out, name, n, seed, growth, scratch, factory)
-            per_seed.append({"base": base, "growth": growth, "scratch": scratch, "matched": matched, "equal": equal})
+            per_seed.append({"base": base, "growth": growth, "scratch": scratch, "matched": matched, "equal": equal,
+                             "control": control})  # fmt: skip
             runs += [{**r, "arm": a, "depth": n - (a == "base")} for a, r in per_seed[-1].items()
-                     if r is not None and a != "equal"]  # fmt: skip
+                     if r is not None and a not in ("equal", "control")]  # fmt: skip
             lookups.append(equal)
         if per_seed:
             row_arms = arms if all(s["matched"] is not None for s in per_seed) or not compute_matched else ("scratch", "growth")
             summary.append(summarise(n, f"ResNet-8 + {n}" if name == "added" else None, per_seed, row_arms, name))
+            summary[-1].update(_block_value(per_seed))
     result = CompareResult(summary=summary, runs=runs, lookups=lookups, output_dir=out, arms=arms)
     if summary:
+        result.extra_markdown = _block_value_markdown(summary)
         write_files(result, stem="table1", seeds=list(seeds), depths=list(rows), depth_kwarg=name, insert_at="cyclic",
                     stopping="the sweep's rule (GrowUntilSaturated, max_growths=0)")  # fmt: skip
     return result
@@ -273,6 +283,45 @@ def _matched_arm(model, datamodule, kwargs, log, out, name, n, seed, base, growt
         "test": evaluate(module, datamodule, "test", kwargs, root / "eval"),
         "blocks": network.depth(), "stages": stage_sizes(network), "arch": architecture_digest(module),
     })  # fmt: skip
+
+
+def _control_arm(model, datamodule, kwargs, log, out, name, value, seed, base, train_fn, grower, factory) -> dict:
+    """The base network retrained under the same rule WITHOUT a block: what the growth arm's
+    extra stage of training alone is worth (growth − control = the block's own value)."""
+    seed_everything(seed, workers=True, verbose=False)
+    module = load_checkpoint_into(module_at_depth(model, value, name, factory), base["checkpoint"])
+    directory = f"table_control_{name}{value}_seed{seed}"
+    row = train_fn(module, out / directory, grower(), seed)
+    row.update({"train": {"loss": row["train_loss"]},
+                "test": evaluate(module, datamodule, "test", kwargs, out / directory / "eval")})  # fmt: skip
+    return log.add(f"table/control/{name}={value}/seed={seed}", row)
+
+
+def _block_value(per_seed: list[dict]) -> dict:
+    """Test-loss gains over the base, per row: growth's, the retrained base's (control) and the
+    block's own (growth − control), paired over the seeds that have them."""
+    from growtrain.experiments.paired import paired_difference
+
+    test = lambda r: None if r is None else r["test"]["loss"]  # noqa: E731
+    base = [test(s["base"]) for s in per_seed]
+    growth = [test(s["growth"]) for s in per_seed]
+    control = [test(s.get("control")) for s in per_seed]
+    return {"gain_growth": paired_difference(base, growth), "gain_control": paired_difference(base, control),
+            "gain_block": paired_difference(control, growth),
+            "base_test_loss": [b for b in base if b is not None]}  # fmt: skip
+
+
+def _block_value_markdown(summary: list[dict]) -> str:
+    from growtrain.experiments.compare_table import fmt_diff
+
+    lines = ["| Model | base test loss (mean) | gain of growth: base − growth [95% CI] | gain of retraining the base "
+             "alone: base − control | the block's own: control − growth |", "|---|---|---|---|---|"]
+    for row in summary:
+        bases = row.get("base_test_loss") or []
+        mean = sum(bases) / len(bases) if bases else None
+        lines.append(f"| {row['label']} | {'—' if mean is None else f'{mean:.4f}'} | {fmt_diff(row['gain_growth'])} | "
+                     f"{fmt_diff(row['gain_control'])} | {fmt_diff(row['gain_block'])} |")
+    return "\n".join(lines) + "\n"
 
 
 def _equal(model, datamodule, kwargs, log, out, name, n, seed, growth, scratch, factory) -> dict:
