@@ -54,6 +54,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L  # noqa: E402
+from lightning.pytorch.utilities.warnings import PossibleUserWarning  # noqa: E402
 
 from growtrain import GrowUntilSaturated, ImageClassifier, measure_saturation  # noqa: E402
 from growtrain.data import ImageDataModule  # noqa: E402
@@ -403,8 +404,11 @@ def throughput_section(args, device, root: Path) -> dict:
         trainer = L.Trainer(accelerator=args.accelerator, devices=1, max_epochs=1, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             callbacks=[timer], default_root_dir=root, num_sanity_val_steps=0)  # fmt: skip
-        trainer.fit(ImageClassifier(copy.deepcopy(net0), num_classes=10, optimizer=sgd),
-                    train_dataloaders=DeviceBatches(all_batches))  # fmt: skip
+        with warnings.catch_warnings():  # training steps only: no validation here, on purpose
+            warnings.filterwarnings("ignore", message="You defined a `validation_step` but have no `val_dataloader`",
+                                    category=PossibleUserWarning)  # fmt: skip
+            trainer.fit(ImageClassifier(copy.deepcopy(net0), num_classes=10, optimizer=sgd),
+                        train_dataloaders=DeviceBatches(all_batches))  # fmt: skip
         light.append(timer.seconds / timed)
         if timer.sync_warnings is not None:
             syncs = timer.sync_warnings

@@ -305,8 +305,11 @@ def _assert_refused_before_training(tmp_path, module, fit_kwargs, grow, match, e
 def test_no_probe_is_refused_in_setup(tmp_path):
     dm = tiny_dm(synthetic_size=200, probe_size=40)
     dm.setup("fit")
+    # loaders, not the datamodule (it would supply the probe); a val loader as well, so that
+    # Lightning does not warn that ImageClassifier's validation_step has none
+    loaders = {"train_dataloaders": dm.train_dataloader(), "val_dataloaders": dm.val_dataloader()}
     _assert_refused_before_training(
-        tmp_path, ImageClassifier(width=4, num_classes=4), {"train_dataloaders": dm.train_dataloader()},
+        tmp_path, ImageClassifier(width=4, num_classes=4), loaders,
         GrowUntilSaturated(monitor=None, verbose=False), "probe: no probe data",
     )  # fmt: skip
 

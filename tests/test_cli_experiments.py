@@ -25,6 +25,7 @@ trainer:
   limit_train_batches: 2
   limit_val_batches: 0
   limit_test_batches: 1
+  log_every_n_steps: 1  # fewer batches an epoch than Lightning's default interval (50)
   num_sanity_val_steps: 0
   enable_progress_bar: false
   enable_model_summary: false
@@ -143,6 +144,7 @@ trainer:
   limit_train_batches: 2
   limit_val_batches: 1
   limit_test_batches: 1
+  log_every_n_steps: 1  # fewer batches an epoch than Lightning's default interval (50)
   num_sanity_val_steps: 0
   enable_progress_bar: false
   enable_model_summary: false

@@ -36,7 +36,9 @@ def tiny_fit_args(root: Path, *extra: str) -> list[str]:
 
 
 def test_fit_quickstart_config_tiny(tmp_path):
-    cli = GrowtrainCLI(args=tiny_fit_args(tmp_path))
+    # 3 epochs are too few for a check (a val_loss plateau, then a 3-epoch stage anneal): the callback says so
+    with pytest.warns(UserWarning, match=r"GrowUntilSaturated: no growth check ran in this fit of 3 epoch\(s\)"):
+        cli = GrowtrainCLI(args=tiny_fit_args(tmp_path))
     assert cli.trainer.state.finished
     # the datamodule decided the head and the stem (linked at instantiation)
     assert cli.model.network.fc.out_features == 4 and cli.model.network.stem.in_channels == 3
@@ -50,8 +52,8 @@ def test_fit_quickstart_config_tiny(tmp_path):
     # as shipped: checks on a validation-loss plateau after a stage anneal, growth judged by its realized gain
     assert (grower.monitor, grower.rule, grower.min_gain, grower.lr_schedule, grower.on_saturated) == (
         "val_loss", "crossfit", 0.01, "anneal", "anneal")  # fmt: skip
-    # a plateau needs patience=2 epochs without improvement after the first: no check before the third epoch
-    assert all(h["epoch"] >= 2 and h["action"] in ("grow", "saturated", "budget") for h in grower.history)
+    # a plateau needs patience=2 epochs, then the stage anneal: 3 epochs hold no check (the warning above says why)
+    assert grower.history == [] and grower.finished is None
 
 
 # Replaces the quickstart's callbacks: checkpoints as there, and a grower that must grow once

@@ -295,6 +295,9 @@ def test_lightning_calls_the_datamodule_hook():
             self.dtypes.append(x.dtype)
             return torch.nn.functional.cross_entropy(self.net(x), y)
 
+        def validation_step(self, batch, _):
+            pass  # never runs (limit_val_batches=0): only keeps Lightning from warning about the val loader
+
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 

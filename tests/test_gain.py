@@ -188,14 +188,18 @@ def _fit(min_gain, tmp_path, rule="paper", extra=(), max_epochs=20, ckpt=None, d
     grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, rule=rule, min_gain=min_gain,
                               decision="gain" if min_gain is not None else "rule",
                               lr_schedule="anneal", anneal_epochs=1, on_saturated="anneal", verbose=False, **kw)  # fmt: skip
-    checkpoints = [L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1,
+    resume = ckpt not in (None, True)
+    # A resumed run gets back the checkpoint callback it was saved with, in the same folder (else
+    # Lightning warns that the dirpath changed), and writes nothing beside the run it resumes.
+    checkpoints = [L.pytorch.callbacks.ModelCheckpoint(dirpath=Path(ckpt).parent if resume else tmp_path / "ckpt",
+                                                       save_top_k=0 if resume else -1, every_n_epochs=1,
                                                        save_on_train_epoch_end=True)] if ckpt is not None else []  # fmt: skip
     trainer = L.Trainer(max_epochs=max_epochs, callbacks=[*extra, grow, *checkpoints], logger=False,
                         enable_checkpointing=bool(checkpoints), enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, default_root_dir=tmp_path, deterministic=True)  # fmt: skip
     model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic",
                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=5e-4))  # fmt: skip
-    trainer.fit(model, (data or tiny_dm)(), ckpt_path=ckpt if ckpt not in (None, True) else None)
+    trainer.fit(model, (data or tiny_dm)(), ckpt_path=ckpt if resume else None)
     grow.model = model
     return grow
 

@@ -385,6 +385,7 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         if self.anneal_done is not None:
             self.anneal_done += 1
             if self.anneal_done < self.anneal_epochs:
+                self._waiting = f"the {self.anneal_kind} anneal: {self.anneal_done} of {self.anneal_epochs} epoch(s) done"
                 return
             if self.anneal_kind == "stage":  # the converged stage is annealed: check it now
                 self._check_annealed(trainer, pl_module)

@@ -73,15 +73,17 @@ def no_check_message(*, monitor: str | None, best: float | None, wait: int, pati
             f"monitor={monitor!r} never plateaued: {plateau}; the current stage is {stage_epochs} epoch(s) long "
             f"(min_stage_epochs={min_stage_epochs})"
         )
-    else:
+    elif every_n_epochs > epochs:
         why = f"every_n_epochs={every_n_epochs} is more than the {epochs} training epoch(s) of this fit"
+    else:  # the schedule was due, something delayed the check (a stage anneal, a cooldown): ``waiting`` says what
+        why = f"the check due after every_n_epochs={every_n_epochs} epoch(s) had not run when the fit ended"
     if waiting:
         why += f"; at the last epoch: {waiting}"
     fixes = ["train longer (trainer.max_epochs)"]
     if monitor is not None:
         fixes += [f"a smaller patience (now {patience}) or a larger min_rel_delta (now {min_rel_delta:g})",
                   "monitor=None with every_n_epochs=N to check on a fixed schedule"]  # fmt: skip
-    else:
+    elif every_n_epochs > epochs:
         fixes.append("a smaller every_n_epochs")
     return (
         f"GrowUntilSaturated: no growth check ran in this fit of {epochs} epoch(s), so the network was not "
