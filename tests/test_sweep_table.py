@@ -30,7 +30,7 @@ def tiny_model(**kw) -> ImageClassifier:
 def kwargs() -> dict:
     grow = GrowUntilSaturated(monitor="val_loss", patience=1, min_rel_delta=0.2, min_stage_epochs=1, max_growths=0, lr_schedule="anneal",
                               on_saturated="anneal", anneal_epochs=2, verbose=False)  # fmt: skip
-    return dict(max_epochs=8, callbacks=[grow], enable_progress_bar=False, enable_model_summary=False,
+    return dict(max_epochs=8, callbacks=[grow], log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
                 num_sanity_val_steps=0)  # fmt: skip
 
 
