@@ -8,11 +8,4 @@
 #     cp ../shared/data/fmnist-full-scratch/seed0_blocks$((3+v)).ckpt runs/stopping_full/scratch_added${v}_seed0/checkpoints/; done
 # Every checkpoint is loaded and must reproduce its row's test loss, else the row is refused.)
 # Resumable: finished arms are rows of runs.jsonl; a cut training resumes from its epoch checkpoint.
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-export OMP_NUM_THREADS=1
-seed=$1; shift
-out=${OUT:-runs/stopping_full}
-growtrain stopping --config configs/fmnist/stopping.yaml \
-  --data.init_args.dataset=fashion-mnist --data.init_args.root=/usr/share/datasets/fashion-mnist \
-  --skip_growth=true --seeds="[$seed]" --depths=0..4 --table=1..4 --output_dir=$out --trainer.default_root_dir=$out "$@" \
-  >> $out/table_seed${seed}.log 2>&1
+exec "$(dirname "${BASH_SOURCE[0]}")/full_stopping.sh" table "$1" --skip_growth=true --depths=0..4 --table=1..4 "${@:2}"

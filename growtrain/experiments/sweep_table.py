@@ -173,7 +173,7 @@ def table_arms(
                              for v in (n - 1, n))  # fmt: skip
             growth = log.get(f"table/growth/{name}={n}/seed={seed}")
             if growth is None and train:
-                growth = _growth_arm(model, datamodule, kwargs, log, out, name, n, seed, base, scratch, keep, grower,
+                growth = _growth_arm(model, datamodule, kwargs, log, out, name, n, seed, base, scratch, grower,
                                      train_fn, factory)  # fmt: skip
             if growth is None:
                 continue
@@ -232,7 +232,7 @@ def _checked(log, model, datamodule, kwargs, out, name, value, seed, row, factor
     })  # fmt: skip
 
 
-def _growth_arm(model, datamodule, kwargs, log, out, name, n, seed, base, scratch, keep, grower, train_fn,
+def _growth_arm(model, datamodule, kwargs, log, out, name, n, seed, base, scratch, grower, train_fn,
                 factory) -> dict:  # fmt: skip
     seed_everything(seed, workers=True, verbose=False)
     module = load_checkpoint_into(module_at_depth(model, n - 1, name, factory), base["checkpoint"])
