@@ -74,14 +74,21 @@ def gain_lower_bound(e: torch.Tensor, level: float, *, method: GainMethod = "boo
     generator = torch.Generator().manual_seed(int(seed))
     resamples = _resample_count(level)
     per_chunk = max(1, _CHUNK // n)
+    # resample the centred terms, so a resample's sum is n·(mean*_b − mean) and its sums of values
+    # and squares give se*_b without cancellation; one gather and two sums per resample row are
+    # about twice as fast as indexing plus std (the bound is computed thousands of times in the
+    # level study), and the resampled indices are the same draws as before
+    c = e - mean
     t_star = []
     for start in range(0, resamples, per_chunk):
         rows = min(per_chunk, resamples - start)
-        draw = e[torch.randint(n, (rows, n), generator=generator)]
-        m, s = draw.mean(1), draw.std(1, unbiased=True) / math.sqrt(n)
+        draw = torch.gather(c.expand(rows, n), 1, torch.randint(n, (rows, n), generator=generator))
+        s1, s2 = draw.sum(1), (draw * draw).sum(1)
+        m = s1 / n  # mean*_b − mean
+        s = ((s2 - s1 * m) / (n - 1)).clamp_min(0.0).sqrt() / math.sqrt(n)
         # a resample of identical values has se* = 0: its t* is +inf when its mean is above (the
         # conservative side), 0 when equal; such resamples only occur for tiny, tied probes
-        t = torch.where(s > 0, (m - mean) / s.clamp_min(1e-300), torch.where(m > mean, math.inf, 0.0))
+        t = torch.where(s > 0, m / s.clamp_min(1e-300), torch.where(m > 0, math.inf, 0.0))
         t_star.append(t)
     q = float(torch.quantile(torch.cat(t_star), 1.0 - level, interpolation="higher"))
     return mean - q * se
