@@ -110,6 +110,9 @@ class GrowtrainCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("auto_configure_optimizers", False)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        # Lightning's default (True) seeds with 0 anyway when PL_GLOBAL_SEED is unset, after a
+        # "No seed found" warning on every run without a seed_everything line: say 0 outright
+        kwargs.setdefault("seed_everything_default", 0)
         kwargs.setdefault("trainer_class", GrowTrainer)  # its methods are the experiment subcommands
         kwargs.setdefault("parser_class", GrowtrainParser)  # parse errors first, YAML errors name their file
         parser_kwargs = dict(kwargs.get("parser_kwargs") or {})

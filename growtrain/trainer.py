@@ -68,7 +68,7 @@ class GrowTrainer(BaseGrowTrainer):
         out.mkdir(parents=True, exist_ok=True)
         for cb in self.callbacks:  # keep the CLI's config with the results it produced
             if isinstance(cb, SaveConfigCallback) and not (out / "config.yaml").exists():
-                cb.parser.save(cb.config, out / "config.yaml", skip_none=False, overwrite=True, multifile=False)
+                cb.parser.save(cb.config, out / "config.yaml", skip_unset=False, overwrite=True, multifile=False)
         return out
 
     def _wrote(self, name: str, out: Path) -> None:

@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import yaml
 
 from growtrain.cli import GrowtrainCLI
 
@@ -73,7 +74,9 @@ def test_measure_loads_the_grown_checkpoint(fitted, tmp_path):
     saved = json.loads((tmp_path / "measure.json").read_text())
     assert [s["site"] for s in saved["sites"]] == [s.name for s in cli.model.network.sites()]  # grown sites
     assert all(s["projected"] is not None and s["ag_coordinate"] > 0 for s in saved["sites"])
-    assert (tmp_path / "config.yaml").is_file()
+    # the whole config beside the results, unset (None) values included, as Lightning saves its own
+    kept = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert "max_time" in kept["trainer"] and kept["trainer"]["max_time"] is None, sorted(kept["trainer"])
 
 
 def test_match_reports_the_immediate_loss_change(fitted, tmp_path):

@@ -4,6 +4,8 @@ errors are the first and clearest line (no usage dump, no union-type dump, the Y
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from growtrain.cli import GrowtrainCLI, main
@@ -23,9 +25,10 @@ def test_top_level_help_describes_growtrain_and_lists_every_subcommand(capsys):
     assert all(name in out.split("Subcommands:")[1] for name in EXPERIMENTS)  # the description names them too
 
 
-def test_the_first_command_in_the_help_works_without_a_checkout(tmp_path, monkeypatch, capsys):
+def test_the_first_command_in_the_help_works_without_a_checkout(tmp_path, monkeypatch, capsys, recwarn):
     """configs/quickstart.yaml exists only in a checkout: the help says so, and the command it
-    gives for anywhere else parses and builds a growing run from a directory with no configs."""
+    gives for anywhere else parses and builds a growing run from a directory with no configs,
+    seeded with 0 without Lightning's "No seed found" warning (it has no seed_everything line)."""
     from growtrain.callbacks import GrowUntilSaturated
     from growtrain.cli import START_ANYWHERE
 
@@ -40,6 +43,8 @@ def test_the_first_command_in_the_help_works_without_a_checkout(tmp_path, monkey
     (grow,) = [c for c in cli.trainer.callbacks if isinstance(c, GrowUntilSaturated)]
     assert grow.monitor == "val_loss" and cli.trainer.max_epochs == 60
     assert cli.trainer.default_root_dir == "runs/first" and list(tmp_path.iterdir()) == []  # nothing written yet
+    assert cli.config.seed_everything == 0 and os.environ.get("PL_GLOBAL_SEED") == "0"
+    assert not [w for w in recwarn if "No seed found" in str(w.message)]
 
 
 def test_fit_help_says_how_to_list_the_growth_callbacks_arguments(capsys):
