@@ -10,8 +10,8 @@ Per row N and seed, on the official 10k test set, per-sample and paired (the sam
 * base − control: against itself retrained under the same rule with no block;
 * the block's own value = control − growth, with its standard error over the 10k images;
 * beside it, what the block-only trial (the default decision, docs/decision.md's study: Adam,
-  half an epoch, the same stage) predicted on the same base network (seed 0 only: the study's
-  networks are seed 0's).
+  half an epoch, the same stage) predicted on the same base network, for the seeds the study
+  ran on (seed 0: rows.jsonl; seed 1: rows_seed1.jsonl).
 
 Only inference (three networks × 10k images per row and seed).
 """
@@ -62,13 +62,14 @@ def test_split(root: str):
     return torch.cat(xs), torch.cat(ys)
 
 
-def trial_prediction(study: Path, blocks: int, stage: str) -> float | None:
+def trial_prediction(studies: list[Path], seed: int, blocks: int, stage: str) -> float | None:
     """The study's block-only test gain (% of the loss, mean over trial seeds) at ``stage`` of
-    seed 0's network with ``blocks`` blocks."""
-    if not study.is_file():
-        return None
-    gains = [r["test"]["gain_pct"] for r in map(json.loads, open(study)) if r.get("kind") == "block"
-             and r.get("opt") == "adam" and r["blocks"] == blocks and r["site"].startswith(stage + ".")]  # fmt: skip
+    sweep seed ``seed``'s network with ``blocks`` blocks (the study names its checkpoints
+    ``seed{S}_blocks{B}.ckpt``)."""
+    rows = [r for study in studies if study.is_file() for r in map(json.loads, open(study))]
+    gains = [r["test"]["gain_pct"] for r in rows if r.get("kind") == "block" and r.get("opt") == "adam"
+             and r["ckpt"].startswith(f"seed{seed}_") and r["blocks"] == blocks
+             and r["site"].startswith(stage + ".")]  # fmt: skip
     return sum(gains) / len(gains) if gains else None
 
 
@@ -76,12 +77,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="the stopping experiment's output_dir (runs.jsonl, checkpoints)")
     parser.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
-    parser.add_argument("--study", type=Path, default=Path("docs/results/trial_study/rows.jsonl"))
+    parser.add_argument("--study", type=Path, nargs="+", help="the decision study's rows (bench/trial_study.py)",
+                        default=[Path("docs/results/trial_study/rows.jsonl"), Path("docs/results/trial_study/rows_seed1.jsonl")])
     args = parser.parse_args()
     rows = rows_of(args.out / "runs.jsonl")
     images, labels = test_split(args.data)
     print("| row (site) | seed | base test loss | gain of growth: base − growth | gain of retraining alone: base − "
-          "control | the block's own: control − growth (± se, z) | block-only trial's gain, same stage (seed 0) |")
+          "control | the block's own: control − growth (± se, z) | block-only trial's gain, same network and stage |")
     print("|---|---|---|---|---|---|---|")
     for n in range(1, 5):
         for seed in range(3):
@@ -104,7 +106,7 @@ def main() -> None:
             else:
                 cells += ["—", "—"]
             stage = growth["insertion"]["site"].rsplit(".", 1)[0]
-            pred = trial_prediction(args.study, base["blocks"], stage) if seed == 0 else None
+            pred = trial_prediction(args.study, seed, base["blocks"], stage)
             cells.append("—" if pred is None else f"{pred:+.2f} % ({stage})")
             print("| " + " | ".join(cells) + " |")
     print("\nPercentages are of the base network's test loss; se over the 10,000 test images (paired).")
