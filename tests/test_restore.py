@@ -227,20 +227,82 @@ def test_final_metrics_are_the_trainers_when_training_followed_the_undo():
     assert final_metrics(history, {"val_loss": 0.5, "lr": 0.1}, global_step=12) == ({"val_loss": 0.5}, None)
 
 
-@pytest.mark.parametrize("save_on_train_epoch_end", [False, None])
-def test_a_checkpoint_saved_before_the_check_is_named_at_setup(tmp_path, save_on_train_epoch_end):
-    """A ModelCheckpoint that saves at validation end runs before the epoch's growth check, so
-    after an undo its file of that epoch holds the removed network: said at the start, with the
-    fix. Lightning's default (saving at train-epoch end, after every other callback) is silent."""
-    import warnings
+def _depth_of(path) -> int:
+    return ImageClassifier.load_from_checkpoint(path, weights_only=False).network.depth()
 
-    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "late", save_on_train_epoch_end=save_on_train_epoch_end)
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=5, decision="gain", min_gain=0.01, verbose=False)
-    trainer = L.Trainer(max_epochs=1, limit_train_batches=1, callbacks=[grow, ckpt], logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
-    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(model, tiny_dm())
-    named = [w for w in caught if "save_on_train_epoch_end=True" in str(w.message)]
-    assert len(named) == (1 if save_on_train_epoch_end is False else 0)
+
+def test_after_an_undo_every_checkpoint_file_holds_the_restored_network(tmp_path):
+    """The stage after a growth saves the grown network: a top-1 ``best_train`` (scored at the
+    end of the training epoch) and a ``val_loss`` checkpoint that saves at validation end (before
+    the epoch's check, so its file of the undo's epoch is the removed network's). After the undo
+    no file either callback keeps holds the removed block: each callback's best and last files
+    are the restored network, scored with its re-measured loss; Lightning's next save would have
+    left both wrong (the stage's lower train loss stays top-1; the val-end save already ran)."""
+    best_train = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "train", filename="best_train",
+                                                     monitor="train_loss", save_top_k=1, save_last=True,
+                                                     save_on_train_epoch_end=True)  # fmt: skip
+    by_val = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "val", filename="{epoch}", monitor="val_loss",
+                                                 save_top_k=2, save_last=True, save_on_train_epoch_end=False)  # fmt: skip
+    grow, model, trainer = fit(tmp_path, extra=[best_train, by_val], trainer_kw={"limit_val_batches": None})
+    first, last = grow.history[0], grow.history[-1]
+    assert first["action"] == "grow" and last["restored"] and model.network.depth() == 3
+    measured = last["restored"]["metrics"]
+    assert len(last["restored"]["checkpoints"]) == 3  # the two above and fit()'s own ModelCheckpoint
+    for cb, monitor in ((best_train, "train_loss"), (by_val, "val_loss")):
+        files = sorted(Path(cb.dirpath).glob("*.ckpt"))
+        assert files and {p.name for p in files} >= {"last.ckpt", Path(cb.best_model_path).name}
+        assert {p.name: _depth_of(p) for p in files} == {p.name: 3 for p in files}, cb.dirpath
+        assert set(cb.best_k_models) <= {str(p) for p in files}  # nothing scored that is not on disk
+        assert float(cb.best_k_models[cb.best_model_path]) == pytest.approx(float(cb.best_model_score))
+    # the undo's epoch is scored by the restored network's re-measured val_loss (its file re-saved)
+    undo_file = str(tmp_path / "val" / f"epoch={last['epoch']}.ckpt")
+    if undo_file in by_val.best_k_models:
+        assert float(by_val.best_k_models[undo_file]) == pytest.approx(measured["val_loss"], rel=1e-6)
+    else:  # not in the top 2: then both kept files predate the growth
+        assert all(int(Path(p).stem.split("=")[1]) <= first["epoch"] for p in by_val.best_k_models)
+    saved = torch.load(tmp_path / "train" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == trainer.global_step  # last.ckpt is the handed-over network, saved at the undo
+
+
+def test_the_checkpoint_rewind_keeps_what_predates_the_growth(tmp_path):
+    """Unit: files scored before the growth stay (and stay on disk); files scored after it (new
+    paths, or an old path saved over with a new score) are dropped from the record and deleted; the best is recomputed over what is left; a callback
+    absent at the growth is left alone."""
+    from types import SimpleNamespace
+
+    from growtrain.callbacks.remeasure import rewind_checkpoints, save_rewound
+
+    removed = []
+
+    class Fake(L.pytorch.callbacks.ModelCheckpoint):
+        def _remove_checkpoint(self, trainer, filepath):
+            removed.append(filepath)
+
+        def _save_topk_checkpoint(self, trainer, candidates):
+            self.saved_topk = candidates
+
+        def _save_last_checkpoint(self, trainer, candidates):
+            self.saved_last = candidates
+
+        def _monitor_candidates(self, trainer):
+            return {"train_loss": torch.tensor(0.3)}
+
+    cb = Fake(dirpath=tmp_path, monitor="train_loss", save_top_k=3)
+    cb.best_k_models = {"a.ckpt": torch.tensor(0.5), "b.ckpt": torch.tensor(0.4), "c.ckpt": torch.tensor(0.2)}
+    cb.best_model_path, cb.best_model_score = "c.ckpt", torch.tensor(0.2)
+    cb.last_model_path = "last.ckpt"
+    other = Fake(dirpath=tmp_path / "other", monitor="val_loss")
+    other.best_k_models = {"x.ckpt": torch.tensor(1.0)}
+    trainer = SimpleNamespace(checkpoint_callbacks=[cb, other], current_epoch=4)
+    cb.best_k_models["d.ckpt"] = torch.tensor(0.6)  # a fixed name saved over since the growth: a new score
+    before = {cb.state_key: {"files": {"a.ckpt": 0.5, "b.ckpt": float(torch.tensor(0.4)), "d.ckpt": 0.7},
+                             "best": "b.ckpt", "step": 10}}  # fmt: skip
+    done, pending = rewind_checkpoints(trainer, before)
+    assert removed == ["c.ckpt", "d.ckpt"] and set(cb.best_k_models) == {"a.ckpt", "b.ckpt"}
+    assert cb.best_model_path == "b.ckpt" and float(cb.best_model_score) == pytest.approx(0.4)
+    assert cb.kth_best_model_path == "" and pending == [cb] and len(done) == 1 and "c.ckpt" in done[0]
+    assert other.best_k_models == {"x.ckpt": torch.tensor(1.0)}
+    assert not hasattr(cb, "saved_last")  # nothing saved before the check's record exists
+    save_rewound(trainer, pending)
+    assert cb.saved_last and float(cb.saved_topk["train_loss"]) == pytest.approx(0.3)
+    assert not hasattr(other, "saved_last")

@@ -19,7 +19,7 @@ from torch import nn
 
 from growtrain import decision as dec
 from growtrain.callbacks.probe_data import Converted, Fingerprinted, ProbeView, per_sample_losses, random_order
-from growtrain.callbacks.remeasure import publish, remeasure
+from growtrain.callbacks.remeasure import publish, remeasure, rewind_checkpoints
 from growtrain.callbacks.restore import restore_snapshot
 from growtrain.gain import gain_test, signature_mismatch
 
@@ -102,12 +102,17 @@ class RealizedGainMixin:
         # loggers and the summary (remeasure.py)
         metrics = remeasure(trainer, pl_module, ProbeView(pl_module, network), self._loss)
         published = publish(pl_module, metrics)
+        # the checkpoint files written since the growth hold the removed network: deleted here; the
+        # restored one is saved once the check's record is complete (growth.py, remeasure.py)
+        checkpoints, self._rewound = rewind_checkpoints(trainer, snap.get("checkpoints") or {}) if published else ([], [])
+        for line in checkpoints:
+            rank_zero_info(f"GrowUntilSaturated: {line}")
         if metrics:
             shown = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
             rank_zero_info(f"GrowUntilSaturated: the restored network, re-measured in eval mode: {shown}")
         return {**done, "check": snap["check"], "epoch": snap["epoch"], "step": snap["step"], "depth": snap["depth"],
                 "annealed": snap.get("annealed", False), "what": what, "metrics": metrics,
-                "metrics_logged": published}  # fmt: skip
+                "metrics_logged": published, "checkpoints": checkpoints}  # fmt: skip
 
     def _level(self) -> float:
         """The level of the next test (``alpha_spending``); counts the test."""

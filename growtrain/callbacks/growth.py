@@ -36,7 +36,7 @@ from growtrain.callbacks.anneal import StageAnnealMixin
 from growtrain.callbacks.gain_check import RealizedGainMixin
 from growtrain.callbacks.growth_state import GrowthStateMixin
 from growtrain.callbacks.monitor import StageMonitorMixin
-from growtrain.callbacks.remeasure import stale_checkpoints
+from growtrain.callbacks.remeasure import save_rewound, saved_checkpoints
 from growtrain.callbacks.restore import take_snapshot
 from growtrain.callbacks.trial_check import BlockTrials
 from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_HOLDOUT, DEFAULT_TRIAL_LR
@@ -298,8 +298,6 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         if self.start_depth is None:
             self.start_depth = self._depth(self._network)
         self._check_lr_schedule(trainer)
-        if self.decision == "gain" and self.restore_best and (why := stale_checkpoints(trainer)):
-            rank_zero_warn(why)
         check_probe_setup(trainer, pl_module, self._network, self._probe_loader(trainer, shard=False), self._loss)
         probe = self._probe_loader(trainer)
         probe_ds = getattr(probe, "dataset", None)
@@ -522,6 +520,7 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
                 self.snapshot = take_snapshot(
                     pl_module, network, self._optimizer_for(trainer, network), check=record["check"],
                     epoch=trainer.current_epoch, step=trainer.global_step, depth=depth, annealed=annealed,
+                    checkpoints=saved_checkpoints(trainer),  # the files an undo must not leave holding the block
                 )  # fmt: skip
             record.update(self._grow(trainer, pl_module, network, report, sites))
         else:
@@ -534,6 +533,8 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
                     record["verdicts"][key] = record[key]
         self.history.append(telemetry.plain(record))
         self._emit(trainer, report, record)
+        if record.get("restored"):  # after the record and the stop: the files hold the undo (remeasure.py)
+            save_rewound(trainer, self.__dict__.pop("_rewound", []))
         return action
 
     def _trial_decision(self, trainer, pl_module, network, report, record, depth, params):

@@ -17,6 +17,11 @@ logged metrics of a network nobody gets. So the restored network is measured aga
 callbacks that run after the growth callback (``ModelCheckpoint``, ``EarlyStopping``) and the
 loggers see the restored network's numbers. ``telemetry.final_metrics`` picks the numbers the
 end-of-fit summary shows.
+
+The checkpoint files are rewound too (:func:`rewind_checkpoints`, :func:`save_rewound`): every file a
+``ModelCheckpoint`` scored since the growth holds the removed network, so it is dropped and the
+restored network saved in its place, whether the callback saves at the end of the training
+epoch or of validation.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from torch import nn
 # evaluating: the whole module in eval mode, then every submodule's own mode back (a frozen BatchNorm stays in eval)
 from growtrain.callbacks.probe_data import evaluating as _eval_mode, loaders_of, shard_loader
 
-__all__ = ["remeasure", "publish"]
+__all__ = ["remeasure", "publish", "saved_checkpoints", "rewind_checkpoints", "save_rewound"]
 
 
 def _limit(count: Any) -> int | None:
@@ -208,25 +213,74 @@ def publish(pl_module: Any, metrics: dict[str, float]) -> bool:
     return True
 
 
-def stale_checkpoints(trainer: Any) -> str | None:
-    """Why a ``ModelCheckpoint`` may hold the removed network after an undo, or None.
-
-    Growth checks run at the end of the training epoch; a checkpoint callback saves there too
-    (Lightning runs it after every other callback) unless it saves at the end of validation:
-    ``save_on_train_epoch_end=False``, validation every k > 1 epochs, or several times an epoch
-    (Lightning's own rule). Such a save precedes the check, so after an undo that epoch's file
-    holds the network the check removed, with its score, until the next save."""
+def _model_checkpoints(trainer: Any) -> list:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    every = trainer.check_val_every_n_epoch
-    interval = trainer.val_check_interval
-    mid_epoch = every not in (1, None) or not (isinstance(interval, float) and interval == 1.0)
-    late = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)
-            and (cb._save_on_train_epoch_end is False or (cb._save_on_train_epoch_end is None and mid_epoch))]  # fmt: skip
-    if not late:
-        return None
-    return (f"GrowUntilSaturated: {len(late)} ModelCheckpoint callback(s) save at the end of validation "
-            f"(save_on_train_epoch_end={late[0]._save_on_train_epoch_end}, check_val_every_n_epoch={every}, "
-            f"val_check_interval={interval}), which runs before a growth check: after an undo (restore_best) the "
-            "checkpoint of that epoch holds the removed network and its score until the next save. Fix: "
-            "ModelCheckpoint(save_on_train_epoch_end=True), or restore_best=False.")  # fmt: skip
+    return [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+
+
+def saved_checkpoints(trainer: Any) -> dict[str, dict]:
+    """Each ``ModelCheckpoint``'s scored files now (its ``state_key`` → each path's score, and the
+    step it last saved at): kept with the snapshot at a growth, so an undo knows which files were
+    written after it — new paths, and old paths saved over (a fixed ``filename`` such as
+    ``best_train``) whose score has changed. Plain numbers: the same on every rank."""
+    return {cb.state_key: {"files": {path: float(score) for path, score in cb.best_k_models.items()},
+                           "best": cb.best_model_path, "step": int(cb._last_global_step_saved)}
+            for cb in _model_checkpoints(trainer)}  # fmt: skip
+
+
+def rewind_checkpoints(trainer: Any, before: dict[str, dict]) -> tuple[list[str], list]:
+    """After an undo: every ``ModelCheckpoint`` forgets (and deletes) the files it scored since the
+    growth — they hold the removed network. :func:`save_rewound` then saves the restored one,
+    scored by the re-measured metrics (after :func:`publish`, and after the check's record, so the
+    files hold the undo). Call both on every rank (saving is collective).
+
+    Lightning's own save at the end of this epoch would not do: a callback that saves at the end
+    of validation already saved this step (before the check: the removed network), and one that
+    keeps its top k keeps the removed network's better-scored files of the stage. Returns what was
+    done (one line per callback; nothing for a callback absent at the growth) and the callbacks
+    to save."""
+    import torch
+
+    done, pending = [], []
+    for cb in _model_checkpoints(trainer):
+        if cb.state_key not in before:
+            continue
+        known = before[cb.state_key]
+        stale = [path for path, score in cb.best_k_models.items() if known["files"].get(path) != float(score)]
+        for path in stale:
+            cb.best_k_models.pop(path)
+        saved_since = int(cb._last_global_step_saved) > known["step"]
+        if cb.monitor is None and cb.best_model_path and saved_since:
+            stale.append(cb.best_model_path)  # monitor=None: its one file, outside best_k_models, is its last save
+        for path in stale:
+            if path != cb.last_model_path:
+                cb._remove_checkpoint(trainer, path)
+        if cb._last_checkpoint_saved in stale:  # save_last="link" must not link to a deleted file
+            cb._last_checkpoint_saved = ""
+        # the bookkeeping Lightning keeps over best_k_models, recomputed without the removed files
+        worst, best = (max, min) if cb.mode == "min" else (min, max)
+        cb.kth_best_model_path, cb.kth_value = "", torch.tensor(math.inf if cb.mode == "min" else -math.inf)
+        if cb.best_k_models:
+            cb.best_model_path = best(cb.best_k_models, key=cb.best_k_models.get)
+            cb.best_model_score = cb.best_k_models[cb.best_model_path]
+            if len(cb.best_k_models) == cb.save_top_k:
+                cb.kth_best_model_path = worst(cb.best_k_models, key=cb.best_k_models.get)
+                cb.kth_value = cb.best_k_models[cb.kth_best_model_path]
+        elif cb.best_model_path in stale:
+            cb.best_model_path, cb.best_model_score = "", None
+        names = ", ".join(sorted(path.rsplit("/", 1)[-1] for path in stale)) or "none"
+        done.append(f"ModelCheckpoint(monitor={cb.monitor!r}): deleted the removed network's file(s) ({names}) "
+                    "and saves the restored network, scored by its re-measured metrics")  # fmt: skip
+        pending.append(cb)
+    return done, pending
+
+
+def save_rewound(trainer: Any, pending: list) -> None:
+    """Save the restored network with each rewound callback, as its epoch-end save would: its top
+    k (by the re-measured metrics) and, whatever the score, ``last`` (the handed-over network)."""
+    for cb in pending:
+        candidates = cb._monitor_candidates(trainer)
+        if cb._every_n_epochs >= 1 and (trainer.current_epoch + 1) % cb._every_n_epochs == 0:
+            cb._save_topk_checkpoint(trainer, candidates)
+        cb._save_last_checkpoint(trainer, candidates)
