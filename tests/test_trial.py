@@ -249,6 +249,33 @@ def test_a_network_at_chance_level_is_never_called_saturated():
     assert "at chance level, not saturated" in text and "certified saturation" not in text
 
 
+def test_the_summary_table_shows_what_the_trial_certified():
+    """decision="trial": the summary's row shows the number that decided (the best trial's
+    certified gain, % of the held-out loss), beside the first-order lower bound that only chose
+    the sites; a run without trials shows no such column."""
+    import io
+
+    from rich.console import Console
+
+    from growtrain.callbacks.telemetry import fit_summary
+
+    def render(history):
+        console = Console(width=200, record=True, file=io.StringIO())
+        console.print(fit_summary(history, start_depth=3, final_depth=4, finished="saturated", stop_reason="x",
+                                  metrics={}, probe_seconds=0.0, fit_seconds=1.0, no_check=None, outputs=[]))  # fmt: skip
+        return console.export_text()
+
+    history = [{"check": 0, "epoch": 5, "depth_before": 3, "action": "grow", "site": "layer2.1", "lower": 0.147,
+                "trial": {"lower_frac": 0.0206, "site": "layer2.1"}},
+               {"check": 1, "epoch": 9, "depth_before": 4, "action": "saturated", "site": None, "lower": -0.017,
+                "trial": {"lower_frac": -0.0075, "site": "layer1.0"}}]  # fmt: skip
+    text = render(history)
+    assert "block gain ≥ %" in text and "first-order ≥" in text
+    rows = [line for line in text.splitlines() if line.startswith("│")]
+    assert "2.06" in rows[0] and "0.147" in rows[0] and "-0.75" in rows[1]
+    assert "block gain" not in render([{k: v for k, v in h.items() if k != "trial"} for h in history])
+
+
 def test_an_untrained_fit_is_stopped_as_not_saturated(tmp_path):
     """Through the callback: a learning rate of 0 leaves the network at chance; the stop says so."""
     L.seed_everything(0)
