@@ -232,42 +232,49 @@ def _depth_of(path) -> int:
 
 
 def test_after_an_undo_every_checkpoint_file_holds_the_restored_network(tmp_path):
-    """The stage after a growth saves the grown network: a top-1 ``best_train`` (scored at the
-    end of the training epoch) and a ``val_loss`` checkpoint that saves at validation end (before
-    the epoch's check, so its file of the undo's epoch is the removed network's). After the undo
-    no file either callback keeps holds the removed block: each callback's best and last files
-    are the restored network, scored with its re-measured loss; Lightning's next save would have
-    left both wrong (the stage's lower train loss stays top-1; the val-end save already ran)."""
+    """The stage after a growth saves the grown network: a top-1 ``best_train`` (a fixed name,
+    scored at the end of the training epoch), every epoch by ``val_loss`` saved at validation end
+    (before the epoch's check, so its file of the undo's epoch is the removed network's), and
+    fit()'s own every-epoch callback without a monitor. After the undo no file any of them keeps
+    holds the removed block; each one's best and last files are the restored network, scored with
+    its re-measured loss. Lightning's next save would have left all three wrong."""
     best_train = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "train", filename="best_train",
                                                      monitor="train_loss", save_top_k=1, save_last=True,
                                                      save_on_train_epoch_end=True)  # fmt: skip
     by_val = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "val", filename="{epoch}", monitor="val_loss",
-                                                 save_top_k=2, save_last=True, save_on_train_epoch_end=False)  # fmt: skip
+                                                 save_top_k=-1, save_last=True, save_on_train_epoch_end=False)  # fmt: skip
     grow, model, trainer = fit(tmp_path, extra=[best_train, by_val], trainer_kw={"limit_val_batches": None})
     first, last = grow.history[0], grow.history[-1]
     assert first["action"] == "grow" and last["restored"] and model.network.depth() == 3
     measured = last["restored"]["metrics"]
-    assert len(last["restored"]["checkpoints"]) == 3  # the two above and fit()'s own ModelCheckpoint
-    for cb, monitor in ((best_train, "train_loss"), (by_val, "val_loss")):
+    assert len(last["restored"]["checkpoints"]) == 3
+    plain = next(cb for cb in trainer.checkpoint_callbacks if cb.monitor is None)
+    for cb in (best_train, by_val, plain):
         files = sorted(Path(cb.dirpath).glob("*.ckpt"))
         assert files and {p.name for p in files} >= {"last.ckpt", Path(cb.best_model_path).name}
         assert {p.name: _depth_of(p) for p in files} == {p.name: 3 for p in files}, cb.dirpath
         assert set(cb.best_k_models) <= {str(p) for p in files}  # nothing scored that is not on disk
-        assert float(cb.best_k_models[cb.best_model_path]) == pytest.approx(float(cb.best_model_score))
-    # the undo's epoch is scored by the restored network's re-measured val_loss (its file re-saved)
+        if cb.monitor is not None:
+            assert float(cb.best_k_models[cb.best_model_path]) == pytest.approx(float(cb.best_model_score))
+    # every epoch up to the growth kept, the stage's deleted, the undo's epoch re-saved and re-scored
+    epochs = sorted(int(Path(p).stem.split("=")[1]) for p in by_val.best_k_models)
+    assert epochs == [*range(first["epoch"] + 1), last["epoch"]]
     undo_file = str(tmp_path / "val" / f"epoch={last['epoch']}.ckpt")
-    if undo_file in by_val.best_k_models:
-        assert float(by_val.best_k_models[undo_file]) == pytest.approx(measured["val_loss"], rel=1e-6)
-    else:  # not in the top 2: then both kept files predate the growth
-        assert all(int(Path(p).stem.split("=")[1]) <= first["epoch"] for p in by_val.best_k_models)
+    assert float(by_val.best_k_models[undo_file]) == pytest.approx(measured["val_loss"], rel=1e-6)
+    kept = sorted(p.name for p in Path(plain.dirpath).glob("epoch=*.ckpt"))
+    # epochs before the growth, then the undo's: the growth epoch's own save (at its end, after the
+    # check) already held the grown block, and the stage's files are gone
+    assert kept == [f"epoch={e}-step={7 * (e + 1)}.ckpt" for e in [*range(first["epoch"]), last["epoch"]]]
     saved = torch.load(tmp_path / "train" / "last.ckpt", weights_only=False)
     assert saved["global_step"] == trainer.global_step  # last.ckpt is the handed-over network, saved at the undo
 
 
 def test_the_checkpoint_rewind_keeps_what_predates_the_growth(tmp_path):
-    """Unit: files scored before the growth stay (and stay on disk); files scored after it (new
-    paths, or an old path saved over with a new score) are dropped from the record and deleted; the best is recomputed over what is left; a callback
-    absent at the growth is left alone."""
+    """Unit: files scored before the growth stay (and stay on disk); files written after it (new
+    paths, an old path saved over with a new score, new files of a callback without a monitor)
+    are dropped from the record and deleted, never ``last``; the best and the k-th best are
+    recomputed over what is left; a link to a deleted file is forgotten; a callback absent at the
+    growth, or whose monitor was not re-measured, is not re-scored."""
     from types import SimpleNamespace
 
     from growtrain.callbacks.remeasure import rewind_checkpoints, save_rewound
@@ -276,7 +283,7 @@ def test_the_checkpoint_rewind_keeps_what_predates_the_growth(tmp_path):
 
     class Fake(L.pytorch.callbacks.ModelCheckpoint):
         def _remove_checkpoint(self, trainer, filepath):
-            removed.append(filepath)
+            removed.append(Path(filepath).name)
 
         def _save_topk_checkpoint(self, trainer, candidates):
             self.saved_topk = candidates
@@ -287,22 +294,41 @@ def test_the_checkpoint_rewind_keeps_what_predates_the_growth(tmp_path):
         def _monitor_candidates(self, trainer):
             return {"train_loss": torch.tensor(0.3)}
 
-    cb = Fake(dirpath=tmp_path, monitor="train_loss", save_top_k=3)
-    cb.best_k_models = {"a.ckpt": torch.tensor(0.5), "b.ckpt": torch.tensor(0.4), "c.ckpt": torch.tensor(0.2)}
-    cb.best_model_path, cb.best_model_score = "c.ckpt", torch.tensor(0.2)
-    cb.last_model_path = "last.ckpt"
+    a, b, c, e, f = (str(tmp_path / f"{n}.ckpt") for n in "abcef")
+    last = str(tmp_path / "last.ckpt")
+    cb = Fake(dirpath=tmp_path, monitor="train_loss", save_top_k=2)
+    cb.best_k_models = {a: torch.tensor(0.5), b: torch.tensor(0.4), c: torch.tensor(0.2), e: torch.tensor(0.6),
+                        f: torch.tensor(0.8), last: torch.tensor(0.1)}  # fmt: skip
+    cb.best_model_path, cb.best_model_score, cb.last_model_path = c, torch.tensor(0.2), last
+    # f: a fixed name saved over since the growth with an equal score — the last save, after the growth
+    cb._last_checkpoint_saved, cb._last_global_step_saved = f, 20
     other = Fake(dirpath=tmp_path / "other", monitor="val_loss")
     other.best_k_models = {"x.ckpt": torch.tensor(1.0)}
-    trainer = SimpleNamespace(checkpoint_callbacks=[cb, other], current_epoch=4)
-    cb.best_k_models["d.ckpt"] = torch.tensor(0.6)  # a fixed name saved over since the growth: a new score
-    before = {cb.state_key: {"files": {"a.ckpt": 0.5, "b.ckpt": float(torch.tensor(0.4)), "d.ckpt": 0.7},
-                             "best": "b.ckpt", "step": 10}}  # fmt: skip
-    done, pending = rewind_checkpoints(trainer, before)
-    assert removed == ["c.ckpt", "d.ckpt"] and set(cb.best_k_models) == {"a.ckpt", "b.ckpt"}
-    assert cb.best_model_path == "b.ckpt" and float(cb.best_model_score) == pytest.approx(0.4)
-    assert cb.kth_best_model_path == "" and pending == [cb] and len(done) == 1 and "c.ckpt" in done[0]
-    assert other.best_k_models == {"x.ckpt": torch.tensor(1.0)}
+    unmeasured = Fake(dirpath=tmp_path / "acc", monitor="train_acc", save_top_k=1)
+    trainer = SimpleNamespace(checkpoint_callbacks=[cb, other, unmeasured], current_epoch=4, ckpt_path=None)
+    before = {cb.state_key: {"files": {a: 0.5, b: float(torch.tensor(0.4)), e: 0.7, f: float(torch.tensor(0.8))},
+                             "listed": [], "step": 10},
+              unmeasured.state_key: {"files": {}, "listed": [], "step": 0}}  # e: a fixed name saved over since
+    done, pending = rewind_checkpoints(trainer, before, measured={"train_loss", "val_loss"})
+    assert removed == ["c.ckpt", "e.ckpt", "f.ckpt"]  # last.ckpt is dropped from the record, never deleted
+    assert set(cb.best_k_models) == {a, b} and cb._last_checkpoint_saved == ""
+    assert cb.best_model_path == b and float(cb.best_model_score) == pytest.approx(0.4)
+    assert cb.kth_best_model_path == a and float(cb.kth_value) == pytest.approx(0.5)  # 2 kept = save_top_k
+    assert pending == [(cb, True), (unmeasured, False)] and len(done) == 2 and "c.ckpt, e.ckpt, f.ckpt" in done[0]
+    assert "not re-measured" in done[1] and other.best_k_models == {"x.ckpt": torch.tensor(1.0)}
     assert not hasattr(cb, "saved_last")  # nothing saved before the check's record exists
     save_rewound(trainer, pending)
     assert cb.saved_last and float(cb.saved_topk["train_loss"]) == pytest.approx(0.3)
-    assert not hasattr(other, "saved_last")
+    assert unmeasured.saved_last and not hasattr(unmeasured, "saved_topk") and not hasattr(other, "saved_last")
+    # without a monitor nothing is scored: the files written since the growth are found by listing
+    removed.clear()
+    plain = Fake(dirpath=tmp_path / "plain", monitor=None, save_top_k=-1)
+    (tmp_path / "plain").mkdir()
+    for name in ("epoch=0.ckpt", "epoch=1.ckpt", "epoch=2.ckpt", "last.ckpt", "notes.txt"):
+        (tmp_path / "plain" / name).write_text("")
+    plain.last_model_path = str(tmp_path / "plain" / "last.ckpt")
+    trainer.checkpoint_callbacks = [plain]
+    listed = [str(tmp_path / "plain" / "epoch=0.ckpt")]
+    trainer.ckpt_path = str(tmp_path / "plain" / "epoch=2.ckpt")  # the fit resumed from it: Lightning's rule keeps it
+    rewind_checkpoints(trainer, {plain.state_key: {"files": {}, "listed": listed, "step": 5}})
+    assert removed == ["epoch=1.ckpt"]

@@ -104,7 +104,8 @@ class RealizedGainMixin:
         published = publish(pl_module, metrics)
         # the checkpoint files written since the growth hold the removed network: deleted here; the
         # restored one is saved once the check's record is complete (growth.py, remeasure.py)
-        checkpoints, self._rewound = rewind_checkpoints(trainer, snap.get("checkpoints") or {}) if published else ([], [])
+        checkpoints, self._rewound = (rewind_checkpoints(trainer, snap.get("checkpoints") or {}, metrics)
+                                      if published else ([], []))  # fmt: skip
         for line in checkpoints:
             rank_zero_info(f"GrowUntilSaturated: {line}")
         if metrics:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -219,43 +220,64 @@ def _model_checkpoints(trainer: Any) -> list:
     return [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
 
 
+def _files_in(trainer: Any, cb: Any) -> list[str]:
+    """The checkpoint files in ``cb``'s directory (local file systems; rank 0's listing on every
+    rank, so every rank deletes and saves alike). A callback without ``monitor`` scores nothing
+    (``best_k_models`` stays empty), so its files since a growth are found by listing."""
+    from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+
+    files: list[str] = []
+    if cb.dirpath and _is_local_file_protocol(str(cb.dirpath)) and os.path.isdir(cb.dirpath):
+        files = sorted(os.path.join(cb.dirpath, name) for name in os.listdir(cb.dirpath)
+                       if name.endswith(cb.FILE_EXTENSION))  # fmt: skip
+    if getattr(trainer, "world_size", 1) > 1:
+        files = trainer.strategy.broadcast(files, src=0)
+    return files
+
+
 def saved_checkpoints(trainer: Any) -> dict[str, dict]:
-    """Each ``ModelCheckpoint``'s scored files now (its ``state_key`` → each path's score, and the
-    step it last saved at): kept with the snapshot at a growth, so an undo knows which files were
-    written after it — new paths, and old paths saved over (a fixed ``filename`` such as
-    ``best_train``) whose score has changed. Plain numbers: the same on every rank."""
+    """Each ``ModelCheckpoint``'s files now (its ``state_key`` → each scored path's score, every
+    file in its directory, and the step it last saved at): kept with the snapshot at a growth, so
+    an undo knows which files were written after it — new files, and scored paths saved over (a
+    fixed ``filename`` such as ``best_train``) since. Plain values: the same on every rank."""
     return {cb.state_key: {"files": {path: float(score) for path, score in cb.best_k_models.items()},
-                           "best": cb.best_model_path, "step": int(cb._last_global_step_saved)}
+                           "listed": _files_in(trainer, cb), "step": int(cb._last_global_step_saved)}
             for cb in _model_checkpoints(trainer)}  # fmt: skip
 
 
-def rewind_checkpoints(trainer: Any, before: dict[str, dict]) -> tuple[list[str], list]:
-    """After an undo: every ``ModelCheckpoint`` forgets (and deletes) the files it scored since the
-    growth — they hold the removed network. :func:`save_rewound` then saves the restored one,
-    scored by the re-measured metrics (after :func:`publish`, and after the check's record, so the
-    files hold the undo). Call both on every rank (saving is collective).
+def rewind_checkpoints(trainer: Any, before: dict[str, dict], measured: Any = ()) -> tuple[list[str], list]:
+    """After an undo: every ``ModelCheckpoint`` forgets (and deletes) the files it wrote since the
+    growth — they hold the removed network. :func:`save_rewound` then saves the restored one
+    (after :func:`publish`, and after the check's record, so the files hold the undo). Call both
+    on every rank (saving is collective).
 
     Lightning's own save at the end of this epoch would not do: a callback that saves at the end
     of validation already saved this step (before the check: the removed network), and one that
-    keeps its top k keeps the removed network's better-scored files of the stage. Returns what was
-    done (one line per callback; nothing for a callback absent at the growth) and the callbacks
-    to save."""
-    import torch
-
+    keeps its top k keeps the removed network's better-scored files of the stage. ``measured``:
+    the names re-measured on the restored network; a callback monitoring anything else is not
+    re-scored (its top k keeps what predates the growth; ``last`` is still re-saved). Files are
+    deleted under Lightning's own rule (never the checkpoint the fit resumed from, nor a file
+    outside the callback's directory). Returns what was done (one line per callback; nothing for
+    a callback absent at the growth) and the callbacks to save, each with whether to re-score."""
     done, pending = [], []
     for cb in _model_checkpoints(trainer):
         if cb.state_key not in before:
             continue
         known = before[cb.state_key]
-        stale = [path for path, score in cb.best_k_models.items() if known["files"].get(path) != float(score)]
+        saved_since = int(cb._last_global_step_saved) > known["step"]
+        # scored since: a new path, a path saved over with a new score, or the last save's path
+        stale = [path for path, score in cb.best_k_models.items() if known["files"].get(path) != float(score)
+                 or (saved_since and path == cb._last_checkpoint_saved)]  # fmt: skip
         for path in stale:
             cb.best_k_models.pop(path)
-        saved_since = int(cb._last_global_step_saved) > known["step"]
-        if cb.monitor is None and cb.best_model_path and saved_since:
-            stale.append(cb.best_model_path)  # monitor=None: its one file, outside best_k_models, is its last save
-        for path in stale:
-            if path != cb.last_model_path:
-                cb._remove_checkpoint(trainer, path)
+        if cb.monitor is None and cb.best_model_path and saved_since and cb.best_model_path not in stale:
+            stale.append(cb.best_model_path)  # monitor=None: its one file outside best_k_models, its last save
+        listed = set(known.get("listed", ()))
+        stale += [path for path in _files_in(trainer, cb) if path not in listed and path not in stale]
+        deleted = [path for path in stale if path != cb.last_model_path
+                   and cb._should_remove_checkpoint(trainer, path, cb.last_model_path or "")]  # fmt: skip
+        for path in deleted:
+            cb._remove_checkpoint(trainer, path)
         if cb._last_checkpoint_saved in stale:  # save_last="link" must not link to a deleted file
             cb._last_checkpoint_saved = ""
         # the bookkeeping Lightning keeps over best_k_models, recomputed without the removed files
@@ -269,18 +291,23 @@ def rewind_checkpoints(trainer: Any, before: dict[str, dict]) -> tuple[list[str]
                 cb.kth_value = cb.best_k_models[cb.kth_best_model_path]
         elif cb.best_model_path in stale:
             cb.best_model_path, cb.best_model_score = "", None
-        names = ", ".join(sorted(path.rsplit("/", 1)[-1] for path in stale)) or "none"
-        done.append(f"ModelCheckpoint(monitor={cb.monitor!r}): deleted the removed network's file(s) ({names}) "
-                    "and saves the restored network, scored by its re-measured metrics")  # fmt: skip
-        pending.append(cb)
+        rescore = cb.monitor is None or cb.monitor in measured
+        names = ", ".join(sorted(os.path.basename(path) for path in deleted)) or "none"
+        done.append(f"ModelCheckpoint(monitor={cb.monitor!r}): deleted the removed network's file(s) ({names}); "
+                    + ("saves the restored network, scored by its re-measured metrics" if rescore else
+                       f"{cb.monitor!r} was not re-measured on the restored network: only last is re-saved"))  # fmt: skip
+        pending.append((cb, rescore))
     return done, pending
 
 
 def save_rewound(trainer: Any, pending: list) -> None:
-    """Save the restored network with each rewound callback, as its epoch-end save would: its top
-    k (by the re-measured metrics) and, whatever the score, ``last`` (the handed-over network)."""
-    for cb in pending:
+    """Save the restored network with each rewound callback: its top k (when its monitor was
+    re-measured; whatever its epoch or step schedule, so the deleted files are replaced) and,
+    whatever the score, ``last`` — the handed-over network."""
+    if getattr(trainer, "fast_dev_run", False):  # Lightning saves nothing under fast_dev_run
+        return
+    for cb, rescore in pending:
         candidates = cb._monitor_candidates(trainer)
-        if cb._every_n_epochs >= 1 and (trainer.current_epoch + 1) % cb._every_n_epochs == 0:
+        if rescore:
             cb._save_topk_checkpoint(trainer, candidates)
         cb._save_last_checkpoint(trainer, candidates)
