@@ -109,15 +109,20 @@ def test_imagedatamodule_default_splits_agree_with_its_signature():
 
 
 def test_measured_quickstart_times_agree_with_docs_results():
-    """One source for the quickstart's figures: docs/results.md; the README and the cost section
-    of docs/callback.md repeat them exactly."""
-    results = text("docs/results.md")
-    cpu = re.search(r"\*\*(\d+) s of CPU\*\*", results).group(1)
-    fit, probe = re.search(r"fit \*\*([\d.]+) s\*\* \(probe and trials ([\d.]+) s", results).groups()
-    assert f"the quickstart {cpu} s of one core's CPU time" in text("README.md").replace("\n  ", " ")
-    share = 100 * float(probe) / float(fit)
-    page = text("docs/callback.md").replace("\n", " ")
-    assert f"measured {fit} s per fit with {probe} s inside the probe and the trials (**{share:.1f} %**" in page
+    """One source for the quickstart's figures: docs/results.md's timing table; the README's
+    ranges per thread count and the cost section of docs/callback.md repeat them exactly."""
+    results = (ROOT / "docs" / "results.md").read_text()  # its lines: the table's rows
+    section = results[results.index("### The quickstart"):results.index("## The test suite")]
+    walls: dict[int, list[int]] = {}
+    for threads, wall in re.findall(r"^\| [^|]+ \| (\d) \| \*\*(\d+) s\*\* \|", section, flags=re.M):
+        walls.setdefault(int(threads), []).append(int(wall))
+    assert sorted(walls) == [1, 2] and all(len(v) == 2 for v in walls.values())  # two splits per thread count
+    two, one = sorted(walls[2]), sorted(walls[1])
+    readme = text("README.md").replace("\n  ", " ")
+    assert (f"the quickstart {two[0]}–{two[1]} s with torch's default two threads and {one[0]}–{one[1]} s "
+            "with one thread") in readme  # fmt: skip
+    probe, fit = re.search(r"(\d+) s of (\d+) s\)", section.replace("\n  ", " ")).groups()
+    assert f"{probe} s of {fit} s" in text("docs/callback.md").replace("\n", " ")
 
 
 def _documented_defaults() -> dict[str, str]:
