@@ -332,3 +332,11 @@ def test_the_checkpoint_rewind_keeps_what_predates_the_growth(tmp_path):
     trainer.ckpt_path = str(tmp_path / "plain" / "epoch=2.ckpt")  # the fit resumed from it: Lightning's rule keeps it
     rewind_checkpoints(trainer, {plain.state_key: {"files": {}, "listed": listed, "step": 5}})
     assert removed == ["epoch=1.ckpt"]
+    # without a monitor and with a fixed name, the file existed at the growth and was saved over since
+    removed.clear()
+    fixed = Fake(dirpath=tmp_path / "plain", monitor=None, filename="latest", save_top_k=1)
+    fixed.best_model_path, fixed._last_global_step_saved = str(tmp_path / "plain" / "epoch=0.ckpt"), 30
+    trainer.checkpoint_callbacks, trainer.ckpt_path = [fixed], None
+    everything = [str(p) for p in sorted((tmp_path / "plain").glob("*.ckpt"))]
+    rewind_checkpoints(trainer, {fixed.state_key: {"files": {}, "listed": everything, "step": 5}})
+    assert removed == ["epoch=0.ckpt"] and fixed.best_model_path == ""
