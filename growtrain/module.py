@@ -278,7 +278,7 @@ class ImageClassifier(GrowableModuleMixin, ConfiguredOptimizerMixin, SharedSteps
     def _shared_step(self, batch: Sequence[torch.Tensor], stage: str) -> torch.Tensor:
         x, y = batch
         logits = self(x)  # (B, num_classes)
-        loss = F.cross_entropy(logits, y)
+        loss = self.probe_loss(logits, y)  # one loss for training, metrics and the probe
         # The weight is made on the device (full_like): a Python number would be copied there.
         weight = torch.full_like(loss.detach(), y.numel(), dtype=torch.float32)
         self.metrics[f"{stage}_loss"].update(loss.detach(), weight=weight)
@@ -290,3 +290,22 @@ class ImageClassifier(GrowableModuleMixin, ConfiguredOptimizerMixin, SharedSteps
     def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
         return self(x)
+
+
+class ScaledLossClassifier(ImageClassifier):
+    """:class:`ImageClassifier` trained, evaluated and probed on ``loss_scale`` × the cross-entropy.
+
+    The loss-scale control of a growth decision (a user's loss in other units): with the SGD rate
+    ÷ ``loss_scale`` and weight decay × ``loss_scale`` it follows the plain classifier's trajectory,
+    so a scale-free decision must make the same choices. Its logged losses are ``loss_scale`` × the
+    plain ones.
+    """
+
+    def __init__(self, *args: Any, loss_scale: float = 10.0, **kwargs: Any):
+        if not isinstance(loss_scale, (int, float)) or isinstance(loss_scale, bool) or not loss_scale > 0:
+            raise ValueError(f"loss_scale: expected a positive number, got {loss_scale!r}. Fix: e.g. loss_scale=10.")
+        super().__init__(*args, **kwargs)
+        self.loss_scale = float(loss_scale)
+
+    def probe_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.loss_scale * F.cross_entropy(logits, y)

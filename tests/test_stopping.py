@@ -13,7 +13,7 @@ import torch
 from growtrain.callbacks import GrowUntilSaturated
 from growtrain.data import ImageDataModule
 from growtrain.experiments.stopping import run_stopping, smallest_good_depth
-from growtrain.module import ImageClassifier
+from growtrain.module import ImageClassifier, ScaledLossClassifier
 
 
 def tiny_dm(**kw) -> ImageDataModule:
@@ -180,22 +180,10 @@ def test_stage_anneal_refuses_a_scheduler_before_training(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # refused before a step
 
 
-class TenTimesTheLoss(ImageClassifier):
-    """The same model trained and probed on 10 × the cross-entropy (what a user's loss in other units does)."""
-
-    scale = 10.0
-
-    def probe_loss(self, logits, y):
-        return self.scale * torch.nn.functional.cross_entropy(logits, y)
-
-    def _shared_step(self, batch, stage):
-        x, y = batch
-        logits = self(x)
-        loss = self.scale * torch.nn.functional.cross_entropy(logits, y)
-        weight = torch.full_like(loss.detach(), y.numel(), dtype=torch.float32)
-        self.metrics[f"{stage}_loss"].update(loss.detach(), weight=weight)
-        self.log(f"{stage}_loss", self.metrics[f"{stage}_loss"], on_step=False, on_epoch=True)
-        return loss
+def TenTimesTheLoss(**kwargs):
+    """The same model trained and probed on 10 × the cross-entropy (what a user's loss in other units
+    does): the product's own loss-scale control, as `growtrain stopping` runs it."""
+    return ScaledLossClassifier(loss_scale=10.0, **kwargs)
 
 
 @pytest.mark.parametrize("rule", ["relative", "crossfit", "gain", "trial"])
@@ -243,3 +231,23 @@ def test_a_whole_run_with_the_loss_times_ten_makes_the_same_decisions(tmp_path, 
         gains = [(h["gain"]["saturated"], h["gain"]["mean"]) for h in plain_history if "gain" in h]
         assert gains and gains == [(s, pytest.approx(m / 10, rel=1e-3)) for s, m in
                                    ((h["gain"]["saturated"], h["gain"]["mean"]) for h in scaled_history if "gain" in h)]
+
+
+def test_the_loss_scale_control_scales_every_loss_it_logs_and_refuses_a_bad_scale():
+    """ScaledLossClassifier's training loss, logged losses and probe loss are loss_scale × the plain
+    classifier's on the same weights (checked against F.cross_entropy); a scale ≤ 0 is refused."""
+    L.seed_everything(0)
+    plain = ImageClassifier(width=4, num_classes=4, in_channels=3)
+    scaled = ScaledLossClassifier(width=4, num_classes=4, in_channels=3, loss_scale=10.0)
+    scaled.load_state_dict(plain.state_dict())
+    x, y = torch.randn(6, 3, 8, 8), torch.tensor([0, 1, 2, 3, 0, 1])
+    plain.eval(), scaled.eval()
+    reference = torch.nn.functional.cross_entropy(plain(x), y)
+    assert torch.allclose(scaled.probe_loss(scaled(x), y), 10 * reference)
+    assert torch.allclose(scaled._shared_step((x, y), "val"), 10 * reference)
+    assert torch.allclose(scaled.metrics["val_loss"].compute(), 10 * reference)
+    assert torch.allclose(plain._shared_step((x, y), "val"), reference)
+    assert scaled.hparams["loss_scale"] == 10.0
+    for bad in (0, -1.0, True, "10"):
+        with pytest.raises(ValueError, match=r"loss_scale: expected a positive number.*Fix"):
+            ScaledLossClassifier(loss_scale=bad)
