@@ -4,7 +4,7 @@ decision's power) change?
     OMP_NUM_THREADS=1 python bench/fold_power.py            # 40 probe draws, about a minute
 
 Both protocols calibrate the ghosts' BatchNorm statistics on half A only. ``separate`` is the
-check before issue #23: a forward pass over A (``calibrate_candidates``), then the scoring pass
+check before the cost work: a forward pass over A (``calibrate_candidates``), then the scoring pass
 in eval mode. ``folded`` is the check now: on A the ghosts' features use batch statistics,
 accumulated as they go; B is scored with A's statistics. The probe is cut into batches of 64,
 so A (128 samples) is two batches and the protocols differ on A. The network is a

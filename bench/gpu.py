@@ -1,4 +1,4 @@
-"""GPU check of issue #15: growth on CUDA, probe cost, retained memory, Lightning throughput.
+"""GPU check: growth on CUDA, probe cost, retained memory, Lightning throughput.
 
     python bench/gpu.py                          # on a CUDA machine, < 5 minutes; writes bench/gpu.json
     python bench/gpu.py --device cpu --quick     # tiny smoke run (CI runs it on CPU)
@@ -15,7 +15,7 @@ What it checks (one JSON, keys in brackets):
              the memory held before; median of 3 interleaved repeats), per rule: preact and basic
              ``cifar_resnet`` width 64, blocks (4,4,4) (13 sites), 1,024 32x32 images; a decoder of
              GPT-2-small dimensions (12 layers, d_model 768, 12 heads, context 1024, vocab 50257,
-             64 sequences) under bf16 autocast. Target (issue #15): <= 1.5x time and memory for the
+             64 sequences) under bf16 autocast. Target: <= 1.5x time and memory for the
              decision path (``projected=False``); ``projected=True`` is reported for reference.
 [retained]   memory held after N repeated ``measure_saturation`` calls on one network
              (``memory_allocated`` before/after, CUDA) and probe activations still alive

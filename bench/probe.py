@@ -109,7 +109,7 @@ OPS = {
     "check_relative": op_probe(projected=False, calibrate=True, rule="relative"),
     "check_gain": op_check_gain,  # the default (cross-fit + min_gain's losses from the same pass)
     "check_gain_projected": op_check_gain_projected,  # ... with projected=True
-    # the cross-fit check with σ̂² (variance=True): every per-sample gradient formed, as before issue #23
+    # the cross-fit check with σ̂² (variance=True): every per-sample gradient formed, as before the cost work
     "check_crossfit_variance": op_probe(projected=False, calibrate=True, rule="crossfit", variance=True),
     "check_gain_ddp": op_check_gain_ddp,  # ... under DDP: + one forward pass over the whole probe
     "naive_per_site": op_naive,

@@ -21,13 +21,13 @@ if [[ $what == sweep || $what == all ]]; then
 fi
 
 if [[ $what == table1 || $what == all ]]; then
-  # Table 1 at convergence (issue 12): ResNet-9..12, Growth vs Scratch, 3 paired seeds, on the
+  # Table 1 at convergence: ResNet-9..12, Growth vs Scratch, 3 paired seeds, on the
   # embedded Fashion-MNIST subset (800 train images); its own script and config.
   OUT=$OUT/table1 bash experiments/table1_fmnist.sh
 fi
 
 if [[ $what == growth || $what == all ]]; then
-  # Issue 7: grow from ResNet-8 with each rule until it says saturated (checks every 2 epochs).
+  # grow from ResNet-8 with each rule until it says saturated (checks every 2 epochs).
   # The config's callback block is the same for both rules but for `rule`; it stops at the
   # first "saturated" (on_saturated: stop) and may insert up to 6 blocks.
   for rule in paper crossfit; do
@@ -44,7 +44,7 @@ if [[ $what == growth || $what == all ]]; then
 fi
 
 if [[ $what == gpt || $what == all ]]; then
-  # Issue 6: the decoder's Figure 1 analogue on the stdlib corpus (bytes): n_layer = 1..4 from
+  # the decoder's Figure 1 analogue on the stdlib corpus (bytes): n_layer = 1..4 from
   # scratch, 400 optimizer steps each on the first 400k characters; loss, AG_max and Γ̂ per depth.
   growtrain sweep --config configs/gpt.yaml --depths=1..4 --trainer.max_epochs=4 \
     --data.init_args.max_chars=400000 \

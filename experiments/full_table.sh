@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Table 1 on the full Fashion-MNIST, built on the stopping sweep's own networks (issue 30).
+# Table 1 on the full Fashion-MNIST, built on the stopping sweep's own networks.
 #   experiments/full_table.sh SEED [extra overrides, e.g. --compute_matched=false]
 # Needs the sweep's scratch rows added=0..4 of SEED in runs/stopping_full/runs.jsonl, each with its
 # final checkpoint (new rows: final.ckpt; older rows: the newest checkpoints/*.ckpt; seed 0's rows

@@ -1,5 +1,5 @@
 """Is a checkpoint file complete? A clear error naming the file, instead of torch's bare
-``OSError('[Errno 22] Invalid argument')`` or ``PytorchStreamReader failed ...`` (issue 21).
+``OSError('[Errno 22] Invalid argument')`` or ``PytorchStreamReader failed ...``.
 
 :func:`checkpoint_problem` reads only the file's first bytes and, for torch's zip format, its
 central directory (at the end of the file, so a truncated copy has none). It is called before

@@ -18,7 +18,7 @@ Design choices:
 - Extra subcommands ``compare``, ``stopping``, ``measure``, ``sweep``, ``match`` are methods of
   ``growtrain.trainer.GrowTrainer`` (the ``trainer_class``), listed in ``subcommands()``
   (name -> arguments to skip) as LightningCLI requires; each takes the config's model and data.
-- Messages (issue 21): ``growtrain --help`` describes growtrain; ``fit --help`` says how to list
+- Messages: ``growtrain --help`` describes growtrain; ``fit --help`` says how to list
   the growth callback's arguments; a parse error is one ``error:`` line (no usage dump) and a
   YAML error names its file (``GrowtrainParser``); a class's own validation error comes out as
   itself (``instantiate_classes``), one line from ``main``; a ``ckpt_path`` is checked before

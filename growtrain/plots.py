@@ -99,14 +99,15 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
                      final: dict | None = None):  # fmt: skip
     """What decided each growth check, against the epoch at whose end it ran, and what the run did.
 
-    Top: the first-order test — the best site's certified (cross-fit) lower bound against the
-    rule's threshold (``margin``: δ, or τ·R for the relative rule); with ``rule="paper"``, Γ̂
-    against δ+t. With ``decision="trial"`` (a ``trial`` record) a panel of the block-only
-    trials: the best tried block's held-out gain (fraction of the loss), its certified lower
-    bound and ``min_gain`` (grow when the bound is above it); the first-order scores then only
-    chose the sites. With ``decision="gain"``: each later check's certified gain of the last
-    block against what it needed (``min_gain`` × the probe loss at that growth). Filled markers
-    decided a check; hollow ones were reported only. Bottom, secondary: Γ̂ and δ+t.
+    Top, what decided: with ``decision="trial"`` (a ``trial`` record) the block-only trials —
+    the best tried block's held-out gain (fraction of the loss), its certified lower bound and
+    ``min_gain`` (grow when the bound is above it); with ``decision="gain"`` each later check's
+    certified gain of the last block against what it needed (``min_gain`` × the probe loss at
+    that growth). Then the first-order test — the best site's certified (cross-fit) lower bound
+    against the rule's threshold (``margin``: δ, or τ·R for the relative rule); with
+    ``rule="paper"``, Γ̂ against δ+t — which decides under ``decision="rule"`` (then it is the
+    top panel) and otherwise only chose the sites. Filled markers decided a check; hollow ones
+    were reported only. Bottom, secondary: Γ̂ and δ+t.
 
     Every panel marks each growth (red), each undo (purple, dashed: ``restore_best`` removed the
     block) and the check that ended growth (black, dotted); the footer gives the final network
@@ -127,10 +128,11 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
     rows = 2 + bool(gains) + bool(trials)
     fig = _figure((8.5, 2.3 * rows + 1.0))
     axes = fig.subplots(rows, 1, sharex=True, height_ratios=[2] * (rows - 1) + [1.2])
-    first, *rest = axes
-    trial_ax = rest[0] if trials else None
-    gain_ax = rest[int(bool(trials))] if gains else None
-    paper_ax = rest[-1]
+    # what decided comes first (the trials, or the realized gain), then the first-order test that
+    # chose the sites or decided itself, then the paper's quantities
+    names = ["trial"] * bool(trials) + ["gain"] * bool(gains) + ["first", "paper"]
+    panel = dict(zip(names, axes))
+    first, paper_ax, trial_ax, gain_ax = panel["first"], panel["paper"], panel.get("trial"), panel.get("gain")
     # -- the first-order test: lower bound vs threshold (or Γ̂ vs δ+t for the paper rule) ---------------------
     value_key, need_key = ("gamma", "threshold") if paper else ("lower", "margin")
     pts = [h for h in measured if h.get(value_key) is not None]

@@ -1,5 +1,5 @@
 """Upstream messages a growtrain user cannot act on, silenced where growtrain is the entry point
-(the ``growtrain`` CLI and growtrain's trainers; issue 21). Each filter matches one message:
+(the ``growtrain`` CLI and growtrain's trainers). Each filter matches one message:
 
 - Lightning's "💡 Tip: For seamless cloud ..." adverts (litlogger, litmodels) and its
   "`tensorboardX` has been removed as a dependency" warning, printed when its default logger falls

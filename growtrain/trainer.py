@@ -72,10 +72,16 @@ class GrowTrainer(BaseGrowTrainer):
         return out
 
     def _wrote(self, name: str, out: Path) -> None:
-        """Say where an experiment's results are (its folder and the files in it)."""
+        """Say where an experiment's results are: its folder, the files in it and, where its
+        trainings keep one, each training's own folder (its checkpoints/ and metrics.csv)."""
         if self.is_global_zero:
             files = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))
             print(f"{name}: results in {out}{os.sep} ({files})", flush=True)
+            runs = sorted(p.name for p in out.iterdir() if p.is_dir() and (p / "checkpoints").is_dir())
+            if runs:
+                shown = ", ".join(runs[:12]) + (f", … ({len(runs)} in all)" if len(runs) > 12 else "")
+                print(f"{name}: each training's checkpoints/ and metrics.csv in its folder under {out}{os.sep}: "
+                      f"{shown}", flush=True)
 
     def _show(self, renderable) -> None:
         if self.is_global_zero:

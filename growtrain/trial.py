@@ -31,7 +31,7 @@ from growtrain.decision import Verdict
 from growtrain.gain import gain_lower_bound, gain_test
 
 __all__ = ["DEFAULT_TRIAL_EPOCHS", "DEFAULT_TRIAL_LR", "DEFAULT_TRIAL_HOLDOUT", "train_block", "trial_test",
-           "trial_verdict", "label_entropy", "at_chance"]  # fmt: skip
+           "trial_verdict", "label_entropy", "constant_prediction_loss", "at_chance"]  # fmt: skip
 
 # Chosen by the decision study (docs/decision.md): half an epoch of Adam at 1e-3 per site.
 DEFAULT_TRIAL_EPOCHS = 0.5
@@ -137,6 +137,25 @@ def label_entropy(targets: torch.Tensor) -> float | None:
     p = torch.bincount(targets.long().flatten().cpu()).double()
     p = p[p > 0] / p.sum()
     return float(-(p * p.log()).sum())
+
+
+def constant_prediction_loss(targets: torch.Tensor, loss_fn: Any) -> float | None:
+    """The probe loss of the best constant prediction *under the module's own loss*: ``loss_fn``
+    applied to logits ``log p`` (``p`` the empirical label frequencies, shape ``(n, C)``) for
+    1-d integer class targets; ``None`` for other targets or a loss that does not take logits.
+
+    For plain cross-entropy this is :func:`label_entropy`; a scaled (× 10) or otherwise
+    reshaped loss scales its reference with it, so the chance test stays scale-free."""
+    if label_entropy(targets) is None:
+        return None
+    y = targets.long().flatten().cpu()
+    p = torch.bincount(y).double() / y.numel()
+    logits = p.clamp_min(1e-12).log().float().expand(y.numel(), -1)  # (n, C): C = the largest class + 1
+    try:
+        value = float(loss_fn(logits, y))
+    except Exception:  # a loss of another shape of prediction: no claim either way
+        return None
+    return value if math.isfinite(value) else None
 
 
 def at_chance(loss: float, entropy: float | None, margin: float = 0.1) -> bool:

@@ -187,6 +187,39 @@ def test_every_fit_config_writes_under_runs_not_the_working_directory(config):
     assert str(trainer.get("default_root_dir", "")).startswith("runs/"), config
 
 
+def _callback_args(config: Path) -> dict | None:
+    import yaml
+
+    trainer = (yaml.safe_load(config.read_text()) or {}).get("trainer") or {}
+    for cb in trainer.get("callbacks") or []:
+        if isinstance(cb, dict) and str(cb.get("class_path", "")).endswith("GrowUntilSaturated"):
+            return dict(cb.get("init_args") or {})
+    return None
+
+
+@pytest.mark.parametrize("config", [p for p in _shipped_configs() if _callback_args(p) is not None],
+                         ids=lambda p: str(p.relative_to(CONFIGS)))  # fmt: skip
+def test_no_shipped_config_makes_the_callback_warn(config):
+    """A shipped config is one the code does not warn about: its callback builds without a
+    warning, and under FSDP2 it names what setup would otherwise switch with a warning (the
+    decision, restore_best), with a min_gain its probe can resolve."""
+    import warnings
+
+    import yaml
+
+    from growtrain.callbacks import GrowUntilSaturated
+    from growtrain.callbacks.guidance import probe_resolution
+
+    args = _callback_args(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GrowUntilSaturated(**args)
+    strategy = ((yaml.safe_load(config.read_text()) or {}).get("trainer") or {}).get("strategy")
+    if "ModelParallelStrategy" in str(strategy):
+        assert args.get("decision") == "gain" and args.get("restore_best") is False, config
+        assert args["min_gain"] > probe_resolution(470, args.get("alpha", 0.05)), config  # its ≈ 470 probe sequences
+
+
 def test_the_fit_configs_are_found():
     names = {str(p.relative_to(CONFIGS)) for p in _fit_configs()}
     assert {"quickstart.yaml", "gpt.yaml", "hf/tiny_llama_stdlib.yaml", "fmnist/growth.yaml"} <= names, names

@@ -1,4 +1,4 @@
-"""What the command line says (issue 21): `growtrain --help` describes growtrain and lists every
+"""What the command line says: `growtrain --help` describes growtrain and lists every
 subcommand, the growth callback's arguments are discoverable, and growtrain's own validation
 errors are the first and clearest line (no usage dump, no union-type dump, the YAML file named)."""
 

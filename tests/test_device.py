@@ -1,4 +1,4 @@
-"""Every tensor follows the network's device and dtype (issue #15, item 1), checked on CPU.
+"""Every tensor follows the network's device and dtype, checked on CPU.
 
 There is no GPU in CI, so device-following is checked with what a CPU has:
 

@@ -11,7 +11,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").rglob("*.md"))]
+# what a reader also reads: the configs' comments, the code's docstrings, the scripts that made the results
+SOURCES = sorted(p for pattern in ("configs/**/*.yaml", "growtrain/**/*.py", "bench/*.py", "experiments/*",
+                                   "notebooks/*.ipynb", "tests/*.py") for p in ROOT.glob(pattern)
+                 if p.is_file() and p.name != Path(__file__).name)  # this file holds the forms it looks for
 LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
 # an issue by number ("issue 21", "issue #7", "issue-21", "(#20)", "#12") or by its title or
 # as "the issue's ..." (an internal tracker the reader has no access to)
@@ -83,6 +87,12 @@ def test_no_doc_cites_an_internal_issue_number(doc):
     cited = [f"{doc.relative_to(ROOT)}:{n}: {line.strip()}" for n, line in enumerate(doc.read_text().splitlines(), 1)
              if ISSUE.search(prose(line))]  # fmt: skip
     assert cited == []
+
+
+def test_no_config_script_or_docstring_cites_an_internal_issue_number():
+    cited = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in SOURCES
+             for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if ISSUE.search(line)]
+    assert len(SOURCES) > 50 and cited == []
 
 
 def test_the_checks_catch_what_they_look_for(tmp_path):

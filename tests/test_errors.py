@@ -1,4 +1,4 @@
-"""Every error the probe and growth code raises, triggered through the public API (issue 10).
+"""Every error the probe and growth code raises, triggered through the public API.
 
 Each test checks the message names the argument or the batch and says what to do, and, for
 errors in a fit, that it comes before any training step or leaves the model as it was.

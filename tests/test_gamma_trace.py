@@ -62,7 +62,7 @@ def trial_history():
 def test_under_the_trial_rule_the_trial_panel_shows_what_decided():
     history = trial_history()
     fig = plot_gamma_trace(history)
-    first, trials, paper = fig.axes
+    trials, first, paper = fig.axes  # what decided on top
     best = [max((x for x in h["trial"]["trials"] if not x.get("diverged")), key=lambda x: x["lower_frac"])
             for h in history]  # fmt: skip
     lines = _points(trials)
@@ -76,7 +76,7 @@ def test_under_the_trial_rule_the_trial_panel_shows_what_decided():
     assert _points(paper)[r"$\delta+t$ (paper)"] == ([4, 9, 14], [0.6] * 3)
     for ax in fig.axes:  # every panel: the growths and the stop
         assert _vlines(ax, "C3", "-") == [4, 9] and _vlines(ax, "k", ":") == [14]
-    assert {"layer1.1", "layer2.1", "stop: saturated"} <= set(_notes(first))
+    assert {"layer1.1", "layer2.1", "stop: saturated"} <= set(_notes(trials))
     footer = fig._supxlabel.get_text().replace("\n", " ")
     assert "Final network: depth 5 (started at 3); blocks grown and kept: layer1.1, layer2.1." in footer
     assert "Growth stopped at epoch 14 (saturated): saturated: no block tried lowers the held-out loss" in footer
@@ -99,12 +99,12 @@ def gain_history():
 
 def test_an_undo_is_marked_and_the_final_network_is_the_restored_one(tmp_path):
     fig = plot_gamma_trace(gain_history(), tmp_path / "trace.png")
-    first, gain, paper = fig.axes
+    gain, first, paper = fig.axes  # what decided on top
     assert _points(gain)["certified gain of the last block"] == ([20, 29], [0.05, -0.001])
     for ax in fig.axes:
         assert _vlines(ax, "C3", "-") == [11, 20] and _vlines(ax, "C4", "--") == [29] and _vlines(ax, "k", ":") == [29]
-    assert "undone: layer1.2 → depth 4" in _notes(first) and "stop: saturated" in _notes(first)
-    labels = [line.get_label() for line in first.get_lines()]
+    assert "undone: layer1.2 → depth 4" in _notes(gain) and "stop: saturated" in _notes(gain)
+    labels = [line.get_label() for line in gain.get_lines()]
     assert "block undone (restore_best)" in labels and "growth stopped" in labels
     footer = fig._supxlabel.get_text().replace("\n", " ")
     assert "Final network: depth 4 (started at 3); blocks grown and kept: layer1.1; undone: layer1.2." in footer

@@ -1,4 +1,4 @@
-"""A probe call retains nothing once it returns (issue #15, item 2).
+"""A probe call retains nothing once it returns.
 
 The leak this guards against: the gradient hook on each site activation ``z`` captured ``z``
 itself, a reference cycle through autograd (tensor → its C++ hook list → the Python lambda →

@@ -1,4 +1,4 @@
-"""A probe check leaves the user's LightningModule as it found it (issue 10).
+"""A probe check leaves the user's LightningModule as it found it.
 
 A real fit of a module whose growable trunk (``GrowableStack``, ``network="trunk"``) sits
 between a ``Linear + BatchNorm1d`` encoder and a ``Dropout + Linear`` head, with a parameter

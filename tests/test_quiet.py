@@ -1,4 +1,4 @@
-"""Noise a user cannot act on is gone where growtrain is the entry point (issue 21): Lightning's
+"""Noise a user cannot act on is gone where growtrain is the entry point: Lightning's
 logger tips, its LeafSpec deprecation, the model summary's "Total Flops 0" and ``v_num`` on the
 progress bar."""
 

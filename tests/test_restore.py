@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -172,17 +173,34 @@ def test_after_an_undo_the_run_reports_the_restored_network(tmp_path):
     assert loaded.network.depth() == 3
     (validated,) = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
                              default_root_dir=tmp_path).validate(loaded, tiny_dm(), verbose=False)  # fmt: skip
+    from growtrain.cli import GrowtrainCLI  # what a user runs: `growtrain validate ... --ckpt_path last.ckpt`
+
+    with warnings.catch_warnings():  # Lightning's notice that the fit's callbacks are not in this validate run
+        warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used")
+        cli = GrowtrainCLI(args=["validate", "--model=growtrain.ImageClassifier", "--model.width=4",
+                                 "--model.num_classes=4", "--model.blocks=[1, 1, 1]", "--model.family=basic",
+                                 "--data=growtrain.data.ImageDataModule", "--data.dataset=synthetic", "--data.image_size=8",
+                                 "--data.synthetic_size=400", "--data.synthetic_classes=4", "--data.probe_size=120",
+                                 "--data.val_size=40", "--data.batch_size=32", "--data.augment=false",
+                                 "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+                                 "--trainer.enable_checkpointing=false", f"--trainer.default_root_dir={tmp_path / 'validate'}",
+                                 f"--ckpt_path={tmp_path / 'ckpt' / 'last.ckpt'}"])  # fmt: skip
+    assert cli.model.network.depth() == 3
+    assert float(cli.trainer.callback_metrics["val_loss"]) == pytest.approx(validated["val_loss"], rel=1e-6)
     loaded.eval()
-    total, count = 0.0, 0
+    total, count, correct = 0.0, 0, 0
     with torch.no_grad():
         dm = tiny_dm()
         dm.setup("fit")
         train = dm.train_dataloader()  # every training sample once (the train loader drops its ragged last batch)
         for batch in torch.utils.data.DataLoader(train.dataset, batch_size=50, collate_fn=train.collate_fn):
             x, y = dm.on_after_batch_transfer(batch, 0)  # uint8 → normalised float; no trainer: no augmentation
-            total += float(F.cross_entropy(loaded(x), y, reduction="sum"))
+            logits = loaded(x)
+            total += float(F.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(1) == y).sum())
             count += len(y)
-    want = {"val_loss": validated["val_loss"], "val_acc": validated["val_acc"], "train_loss": total / count}
+    want = {"val_loss": validated["val_loss"], "val_acc": validated["val_acc"], "train_loss": total / count,
+            "train_acc": correct / count}
 
     measured = last["restored"]["metrics"]
     assert measured.keys() == want.keys()
@@ -197,15 +215,15 @@ def test_after_an_undo_the_run_reports_the_restored_network(tmp_path):
 
     with open(logger.experiment.metrics_file_path) as f:  # the last values logged for each metric
         logged = {k: float(v) for row in csv.DictReader(f) for k, v in row.items() if v not in ("", None)}
-    for key in ("train_loss", "val_loss"):
+    for key in ("train_loss", "train_acc", "val_loss", "val_acc"):
         assert logged[key] == pytest.approx(measured[key], rel=1e-6), key
-    for key in ("train_loss", "val_loss"):  # what ModelCheckpoint and EarlyStopping saw after the check
+    for key in ("train_loss", "train_acc", "val_loss"):  # what ModelCheckpoint and EarlyStopping saw after the check
         assert float(trainer.callback_metrics[key]) == pytest.approx(measured[key], rel=1e-6)
     scored = {Path(p).name: float(v) for p, v in scores.best_k_models.items()}
     assert scored[f"epoch={last['epoch']}.ckpt"] == pytest.approx(measured["train_loss"], rel=1e-6)
 
     metrics, measured_on = final_metrics(grow.history, trainer.callback_metrics, trainer.global_step)
-    assert metrics == pytest.approx(measured) and "train_acc" not in metrics  # no stale number of the removed net
+    assert metrics == pytest.approx(measured) and metrics.keys() == want.keys()  # every number the restored net's
     console = Console(width=200, record=True, file=io.StringIO())
     console.print(telemetry.fit_summary(grow.history, start_depth=3, final_depth=3, finished=grow.finished,
                                         stop_reason=grow.stop_reason, metrics=metrics, probe_seconds=0.0,

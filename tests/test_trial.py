@@ -237,6 +237,20 @@ def test_a_network_at_chance_level_is_never_called_saturated():
     assert label_entropy(y) == pytest.approx(math.log(4))
     assert label_entropy(torch.randn(10)) is None  # not class targets: no claim either way
     assert at_chance(1.30, label_entropy(y)) and not at_chance(0.9, label_entropy(y))
+    # the reference is the constant prediction's loss under the module's own loss: for cross-entropy
+    # the label entropy (independent: −Σ p log p), for a loss × 10 ten times it — so a trained network
+    # on the loss × 10 (0.2 nats → 2.0) is not "at chance" just because 2.0 ≥ 0.9·log 4
+    from growtrain.module import ScaledLossClassifier
+    from growtrain.trial import constant_prediction_loss
+
+    skewed = torch.tensor([0] * 70 + [1] * 20 + [2] * 10)
+    p = torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64)
+    assert constant_prediction_loss(skewed, F.cross_entropy) == pytest.approx(float(-(p * p.log()).sum()), rel=1e-6)
+    scaled = ScaledLossClassifier(loss_scale=10.0).probe_loss
+    assert constant_prediction_loss(skewed, scaled) == pytest.approx(10 * float(-(p * p.log()).sum()), rel=1e-6)
+    assert not at_chance(2.0, constant_prediction_loss(y, scaled)) and at_chance(13.0, constant_prediction_loss(y, scaled))
+    assert constant_prediction_loss(torch.randn(10), F.cross_entropy) is None
+    assert constant_prediction_loss(y, F.binary_cross_entropy_with_logits) is None  # a loss of another prediction shape
     small = {"site": "layer3.1", "paid": False, "lower_frac": 0.001, "gain_frac": 0.003, "upper_frac": 0.005,
              "level": 0.0167, "n": 12000}
     v = trial_verdict([small], 0.01, chance="the network is at chance level (probe loss 1.38)")

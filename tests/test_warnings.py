@@ -1,4 +1,4 @@
-"""growtrain's own code emits no warning in a normal run (issue 10): the suite no longer
+"""growtrain's own code emits no warning in a normal run: the suite no longer
 blanket-ignores UserWarning, and these runs record every warning and fail on any raised from
 growtrain's files or about a tensor that requires grad being converted to a number."""
 

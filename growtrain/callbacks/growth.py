@@ -46,7 +46,7 @@ from growtrain.callbacks.probe_data import (
 )  # fmt: skip
 from growtrain.batches import to_device
 from growtrain.crossfit import probe_size
-from growtrain.callbacks import guidance  # what a user would otherwise wonder about (issue 21)
+from growtrain.callbacks import guidance  # what a user would otherwise wonder about
 from growtrain.growable import grown_blocks, probe_loss_for, resolve_network
 from growtrain.reconfigure import reconfigure_optimizer, restart_schedulers
 from growtrain.saturation import SaturationReport, measure_saturation

@@ -1,4 +1,4 @@
-"""What ``GrowUntilSaturated`` tells a user who would otherwise wonder what happened (issue 21).
+"""What ``GrowUntilSaturated`` tells a user who would otherwise wonder what happened.
 
 - :func:`no_check_message`: a fit in which no check ran, with the reason (the monitor and its
   best value, patience, ``min_stage_epochs``) and what to change;

@@ -11,7 +11,8 @@ logged metrics of a network nobody gets. So the restored network is measured aga
   what the step logs, batch-size-weighted means, torchmetrics computed then reset);
 - ``train_loss`` with the probe's loss over the trainer's train set (every sample once, in
   order), in eval mode and without augmentation: the network as handed over, not an average
-  over an epoch of changing weights.
+  over an epoch of changing weights; ``train_acc`` (top-1) in the same pass where the module
+  logs one for class targets.
 
 :func:`publish` logs them from the running ``on_train_epoch_end`` hook, so the monitoring
 callbacks that run after the growth callback (``ModelCheckpoint``, ``EarlyStopping``) and the
@@ -170,31 +171,46 @@ def _train_limit(trainer: Any, loader: Any) -> int | None:
     return limit if limit is not None and limit < whole else None
 
 
-def _train_loss(trainer: Any, forward: Callable, loss_fn: Callable, module: nn.Module) -> dict[str, float]:
-    """The probe's loss over the trainer's train loader, batch-size weighted, in eval mode."""
+def _train_loss(trainer: Any, forward: Callable, loss_fn: Callable, module: nn.Module,
+                accuracy: bool = False) -> dict[str, float]:  # fmt: skip
+    """The probe's loss over the trainer's train loader, batch-size weighted, in eval mode; with
+    ``accuracy``, also ``train_acc`` (top-1, where outputs are ``(n, C)`` scores of class targets
+    ``(n,)``: what an image classifier logs under that name)."""
     loaders = loaders_of(getattr(trainer, "train_dataloader", None))
     if len(loaders) != 1:  # several train loaders: no single "train_loss" to re-measure
         return {}
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(3, dtype=torch.float64)  # loss·n, n, correct
+    classes = accuracy
     with _as_validation(trainer), _eval_mode(module), torch.no_grad():
         for batch in _batches(_in_order(loaders[0], trainer), _train_limit(trainer, loaders[0])):
             batch = _to_device(trainer, batch, 0)
             x, y = (batch[0], batch[-1]) if isinstance(batch, (list, tuple)) else (batch, None)
             with trainer.precision_plugin.val_step_context():
-                loss = loss_fn(forward(x), y)
+                out = forward(x)
+                loss = loss_fn(out, y)
             n = len(y) if y is not None and hasattr(y, "__len__") else 1
-            total += torch.tensor([float(loss) * n, n], dtype=torch.float64)
+            classes = classes and isinstance(y, torch.Tensor) and y.dim() == 1 and not y.is_floating_point() \
+                and isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[0] == n
+            correct = float((out.argmax(1) == y).sum()) if classes else 0.0
+            total += torch.tensor([float(loss) * n, n, correct], dtype=torch.float64)
     if trainer.world_size > 1:
         total = trainer.strategy.reduce(total.to(trainer.strategy.root_device), reduce_op="sum").cpu()
-    return {"train_loss": float(total[0] / total[1])} if float(total[1]) > 0 else {}
+    if float(total[1]) <= 0:
+        return {}
+    out = {"train_loss": float(total[0] / total[1])}
+    if classes:
+        out["train_acc"] = float(total[2] / total[1])
+    return out
 
 
 def remeasure(trainer: Any, pl_module: Any, forward: Callable, loss_fn: Callable) -> dict[str, float]:
     """The handed-over network's validation metrics (the module's ``validation_step``) and
-    ``train_loss`` (``loss_fn(forward(x), y)`` over the train loader), both in eval mode.
+    ``train_loss`` (``loss_fn(forward(x), y)`` over the train loader), both in eval mode, and
+    ``train_acc`` where the module logs one for class targets — else the last logged
+    ``train_acc`` would be the removed network's.
 
     ``forward``: the probe's view of the model (input → output). Call on every rank."""
-    metrics = _train_loss(trainer, forward, loss_fn, pl_module)
+    metrics = _train_loss(trainer, forward, loss_fn, pl_module, accuracy="train_acc" in trainer.callback_metrics)
     metrics.update(_validation(trainer, pl_module))  # the module's own train_* names are not produced here
     return metrics
 

@@ -218,8 +218,8 @@ def final_metrics(history: list[dict], callback_metrics: dict, global_step: int,
     """The numbers the end-of-fit summary calls final, and what they were measured on.
 
     If the fit ended at the check that restored a network (no optimizer step since), they are
-    that network's metrics as ``remeasure.py`` measured them (the callback metrics still hold
-    some of the removed network's, e.g. ``train_acc``); otherwise the trainer's last callback
+    that network's metrics as ``remeasure.py`` measured them (a train metric it cannot re-measure
+    stays out rather than show the removed network's); otherwise the trainer's last callback
     metrics, which training after the restore (a final anneal, ``on_saturated="continue"``)
     has refreshed."""
     last = history[-1] if history else {}

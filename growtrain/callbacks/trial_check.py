@@ -28,7 +28,7 @@ from torch import nn
 from growtrain.callbacks.probe_data import Converted, ProbeView, per_sample_losses
 from growtrain.gain import sample_signatures
 from growtrain.trial import (
-    HOLDOUT_FRACTION, MIN_TRIAL_STEPS, at_chance, label_entropy, train_block, trial_test, trial_verdict,
+    HOLDOUT_FRACTION, MIN_TRIAL_STEPS, at_chance, constant_prediction_loss, train_block, trial_test, trial_verdict,
 )  # fmt: skip
 
 __all__ = ["BlockTrials", "trial_candidates"]
@@ -117,7 +117,7 @@ class BlockTrials:
         for site in sites:
             trials.append(self._one(trainer, pl_module, network, view, site, probe, probe_before, loss_fn, device,
                                     steps, holdout_batches, sync, level / max(1, len(sites))))  # fmt: skip
-        verdict = trial_verdict(trials, self.min_gain, chance=self._chance(trainer, probe, probe_before))
+        verdict = trial_verdict(trials, self.min_gain, chance=self._chance(trainer, probe, probe_before, loss_fn))
         if trainer.world_size > 1:  # one decision on every rank: rank 0's
             verdict, trials = trainer.strategy.broadcast((verdict, trials), src=0)
         self.seconds += time.perf_counter() - start
@@ -151,18 +151,20 @@ class BlockTrials:
                 "n_holdout": held_before.numel(), "probe_gain_frac": probe_gain, **test}  # fmt: skip
 
     @staticmethod
-    def _chance(trainer: Trainer, probe: Any, losses: torch.Tensor) -> str | None:
-        """Why the network is at chance level (class targets only), else ``None``."""
+    def _chance(trainer: Trainer, probe: Any, losses: torch.Tensor, loss_fn: Any) -> str | None:
+        """Why the network is at chance level (class targets only), else ``None``. The reference
+        is the best constant prediction's loss under the module's own loss (a loss × 10 has a
+        reference × 10), not the label entropy in nats."""
         targets = [batch[-1] for batch in Converted(probe, trainer)]
         if not targets or not all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in targets):
             return None
-        entropy = label_entropy(torch.cat([t.cpu() for t in targets]))
+        reference = constant_prediction_loss(torch.cat([t.cpu() for t in targets]), loss_fn)
         loss = float(losses.mean()) if losses.numel() else float("nan")
-        if not at_chance(loss, entropy):
+        if not at_chance(loss, reference):
             return None
-        return (f"the network is at chance level (probe loss {loss:.4g} ≥ 90 % of the label entropy "
-                f"{entropy:.4g}): it has not learned, so depth is not the question — train longer or check the "
-                "data and learning rate")  # fmt: skip
+        return (f"the network is at chance level (probe loss {loss:.4g} ≥ 90 % of {reference:.4g}, the loss of "
+                "predicting the label frequencies): it has not learned, so depth is not the question — train "
+                "longer or check the data and learning rate")  # fmt: skip
 
     @staticmethod
     def _any_rank(trainer: Trainer):

@@ -82,8 +82,8 @@ def relation_to_fit(fit: dict | None, report: SaturationReport) -> str | None:
         return text + "This report agrees: no site's first-order value is certified."
     if fit["decided_by"] in _DECIDED_BY:
         return text + (f"This report says grow at {report.best_site}: the loss of a new block there certifiably falls "
-                       "when its last map leaves zero, which says nothing about how far. The fit measured that a "
-                       "trained block did not lower the loss by min_gain: the two do not contradict each other.")  # fmt: skip
+                       "when its last map leaves zero, which says nothing about how far. The fit could not certify that "
+                       "a trained block lowers the loss by more than min_gain: the two do not contradict each other.")  # fmt: skip
     return text + (f"This report says grow at {report.best_site}: the same question asked of this checkpoint's "
                    "network (after any undo or anneal) with this probe and seed, where the fit's last check saw "
                    "another state.")

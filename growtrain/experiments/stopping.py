@@ -9,8 +9,10 @@ depth and the data. For every seed:
 * **scratch**: every depth of the sweep (``depths``, values of the depth hyper-parameter, e.g.
   ``added``) is trained from random initialisation under the *same* stopping rule as the growth
   run's final stage: the configured callback with ``max_growths=0`` — constant learning rate
-  until the training loss plateaus (same ``monitor``/``patience``/``min_rel_delta``/
-  ``min_stage_epochs``), then the same anneal. No probe is spent on scratch runs.
+  until its ``monitor`` plateaus (the shipped config watches ``val_loss``; the same ``patience``/
+  ``min_rel_delta``/``min_stage_epochs``), then the same anneal. No probe is spent on scratch
+  runs. Each training keeps its epoch checkpoints in its own folder under ``output_dir``
+  (``growth_<decision>_seed<S>/``, ``scratch_<depth kwarg><value>_seed<S>/``).
 
 Reported: per depth the scratch test loss (mean ± sd over seeds); ``d*`` = the smallest depth
 whose mean test loss is within one standard error of the best depth's; per growth seed the found

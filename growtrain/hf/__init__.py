@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers`` decoders for growtrain (``pip install growtrain[hf]``).
+"""Hugging Face ``transformers`` decoders for growtrain (``pip install -e ".[hf]"`` from a checkout).
 
 ``growable(model)`` makes a loaded GPT-2, GPT-NeoX (Pythia), Llama, Mistral or Qwen2 causal LM
 measurable and growable in place; ``HFCausalLM`` trains one with ``GrowUntilSaturated``;
