@@ -207,3 +207,22 @@ def test_measure_never_overwrites_an_earlier_result_and_says_where_it_wrote(fitt
     with pytest.raises(FileExistsError, match=r"output_dir: '.*measure' already holds measure.json from an earlier "
                        r"measure, and growtrain never overwrites a result\. Fix: pass another --output_dir"):  # fmt: skip
         GrowtrainCLI(args=args + [f"--output_dir={root / 'measure'}"])
+
+
+def test_an_experiment_says_where_each_trainings_checkpoints_are(tmp_path, capsys):
+    """`stopping` and the other experiments keep one folder per training (its checkpoints/ and
+    metrics.csv) under the output folder: the closing lines name them, not only the files."""
+    from types import SimpleNamespace
+
+    from growtrain.trainer import GrowTrainer
+
+    out = tmp_path / "stopping"
+    for run in ("growth_abc_seed0", "scratch_added0_seed0", "scratch_added1_seed0"):
+        (out / run / "checkpoints").mkdir(parents=True)
+    (out / "plots").mkdir()  # a folder without checkpoints/ is not a training's
+    (out / "runs.jsonl").write_text("")
+    GrowTrainer._wrote(SimpleNamespace(is_global_zero=True), "stopping", out)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"stopping: results in {out}/ (runs.jsonl)"
+    assert lines[1] == (f"stopping: each training's checkpoints/ and metrics.csv in its folder under {out}/: "
+                        "growth_abc_seed0, scratch_added0_seed0, scratch_added1_seed0")  # fmt: skip

@@ -227,6 +227,9 @@ def test_a_whole_run_with_the_loss_times_ten_makes_the_same_decisions(tmp_path, 
         fracs = [[t["gain_frac"] for t in h["trial"]["trials"]] for h in plain_history if "trial" in h]
         scaled_fracs = [[t["gain_frac"] for t in h["trial"]["trials"]] for h in scaled_history if "trial" in h]
         assert fracs and [[pytest.approx(f, abs=2e-3) for f in row] for row in fracs] == scaled_fracs
+        # and the same kind of reason: a loss × 10 is not "at chance level" where the plain loss is not
+        reasons = [[("chance" in h["reason"]), h["reason"].split(":")[0]] for h in plain_history]
+        assert reasons == [[("chance" in h["reason"]), h["reason"].split(":")[0]] for h in scaled_history]
     if rule == "gain":  # the gain verdict was made, on the same (×10) numbers
         gains = [(h["gain"]["saturated"], h["gain"]["mean"]) for h in plain_history if "gain" in h]
         assert gains and gains == [(s, pytest.approx(m / 10, rel=1e-3)) for s, m in

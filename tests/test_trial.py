@@ -250,6 +250,19 @@ def test_a_network_at_chance_level_is_never_called_saturated():
     assert constant_prediction_loss(skewed, scaled) == pytest.approx(10 * float(-(p * p.log()).sum()), rel=1e-6)
     assert not at_chance(2.0, constant_prediction_loss(y, scaled)) and at_chance(13.0, constant_prediction_loss(y, scaled))
     assert constant_prediction_loss(torch.randn(10), F.cross_entropy) is None
+    # the callback's collaborator asks with the module's own loss: a trained network on the loss × 10
+    # is not at chance, an untrained one is, and the reason names the reference it used
+    from types import SimpleNamespace
+
+    from growtrain.callbacks.trial_check import BlockTrials
+
+    trainer = SimpleNamespace(precision_plugin=SimpleNamespace(convert_input=lambda batch: batch))
+    probe = [(torch.zeros(50, 1), y[:50]), (torch.zeros(50, 1), y[50:])]
+    trained, untrained = torch.full((100,), 2.0), torch.full((100,), 13.5)  # 10 × 0.2 nats, 10 × 1.35 nats
+    assert BlockTrials._chance(trainer, probe, trained, scaled) is None
+    reason = BlockTrials._chance(trainer, probe, untrained, scaled)
+    assert reason is not None and f"{10 * math.log(4):.4g}" in reason
+    assert BlockTrials._chance(trainer, probe, trained / 10, F.cross_entropy) is None
     assert constant_prediction_loss(y, F.binary_cross_entropy_with_logits) is None  # a loss of another prediction shape
     small = {"site": "layer3.1", "paid": False, "lower_frac": 0.001, "gain_frac": 0.003, "upper_frac": 0.005,
              "level": 0.0167, "n": 12000}
