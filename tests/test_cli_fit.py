@@ -35,6 +35,25 @@ def tiny_fit_args(root: Path, *extra: str) -> list[str]:
     ]
 
 
+def test_the_quickstart_as_shipped_warns_of_nothing_of_its_own(tmp_path):
+    """The shipped quickstart (its own data, probe and decision), cut to one short epoch: the
+    only warning of growtrain's own is that so short a fit ran no check — nothing about its
+    settings (a probe too small for min_gain, say)."""
+    import warnings
+
+    import growtrain
+
+    args = ["fit", f"--config={CONFIGS / 'quickstart.yaml'}", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
+            "--trainer.limit_val_batches=1", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        GrowtrainCLI(args=args)
+    package = Path(growtrain.__file__).parent
+    ours = [str(w.message) for w in caught if Path(w.filename).resolve().is_relative_to(package)]
+    assert len(ours) == 1 and ours[0].startswith("GrowUntilSaturated: no growth check ran"), ours
+
+
 def test_fit_quickstart_config_tiny(tmp_path):
     # 3 epochs are too few for a check (a val_loss plateau, then a 3-epoch stage anneal): the callback says so
     with pytest.warns(UserWarning, match=r"GrowUntilSaturated: no growth check ran in this fit of 3 epoch\(s\)"):
