@@ -284,7 +284,10 @@ def plot_stopping(summary: dict, growth_rows: Sequence[dict], path: str | Path |
     left.xaxis.set_major_locator(MaxNLocator(integer=True))  # depths are whole blocks
     left.set_xlabel(f"depth ({label})")
     left.set_ylabel("test loss")
-    left.legend(fontsize=8)
+    if left.get_legend_handles_labels()[0]:  # no rows (e.g. --train=false on an empty output folder): no legend
+        left.legend(fontsize=8)
+    else:
+        left.text(0.5, 0.5, "no rows yet", transform=left.transAxes, ha="center", va="center", color="0.5")
     gains = [[h for h in g.get("history", []) if (h.get("verdicts") or {}).get("gain")] for g in growth_rows]
     trials = [[h for h in g.get("history", []) if (h.get("verdicts") or {}).get("trial")] for g in growth_rows]
     if any(trials):

@@ -56,3 +56,13 @@ def test_the_stopping_table_does_not_call_a_run_without_a_verdict_stopped_by_non
     text = " ".join(console.export_text().split())
     assert "seed 0: None" not in text and "seed 0: not ended" in text
     assert "growth → 0" not in text and "growth (not ended) at 0" in text
+
+
+def test_an_empty_output_folder_plots_without_a_warning():
+    """`stopping --train=false` on a folder with no rows yet: a figure that says so, no legend warning."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        left = plot_stopping({"depth_kwarg": "added", "d_star": None, "by_depth": {}}, []).axes[0]
+    assert [t.get_text() for t in left.texts] == ["no rows yet"] and left.get_legend() is None
