@@ -226,3 +226,20 @@ def test_an_experiment_says_where_each_trainings_checkpoints_are(tmp_path, capsy
     assert lines[0] == f"stopping: results in {out}/ (runs.jsonl)"
     assert lines[1] == (f"stopping: each training's checkpoints/ and metrics.csv in its folder under {out}/: "
                         "growth_abc_seed0, scratch_added0_seed0, scratch_added1_seed0")  # fmt: skip
+
+
+@pytest.mark.parametrize("count", [12, 13])
+def test_the_trainings_line_names_at_most_twelve_folders(tmp_path, capsys, count):
+    """A sweep of many trainings: up to 12 folders are named; beyond that the first 12 and the count."""
+    from types import SimpleNamespace
+
+    from growtrain.trainer import GrowTrainer
+
+    out = tmp_path / "sweep"
+    names = [f"scratch_added{i:02d}_seed0" for i in range(count)]
+    for run in names:
+        (out / run / "checkpoints").mkdir(parents=True)
+    GrowTrainer._wrote(SimpleNamespace(is_global_zero=True), "sweep", out)
+    line = capsys.readouterr().out.splitlines()[1]
+    shown = ", ".join(names[:12]) + (", … (13 in all)" if count == 13 else "")
+    assert line == f"sweep: each training's checkpoints/ and metrics.csv in its folder under {out}/: {shown}"

@@ -26,6 +26,9 @@ def test_the_fits_verdict_is_read_from_the_checkpoint_and_related():
     text = relation_to_fit(trial, grow_here)
     assert "stopped growing (saturated: no block tried lowers the loss by 1 %)" in text and "decision='trial'" in text
     assert "grow at layer1.1" in text and "do not contradict" in text
+    # the fit's side is a certification that failed, not a measured absence of gain
+    assert "The fit could not certify that a trained block lowers the loss by more than min_gain" in text
+    assert "measured that" not in text
     assert "This report agrees" in relation_to_fit(trial, saturated_here)
     rule = fit_verdict(_checkpoint("saturated", "why", {"rule": "crossfit"}))
     assert rule["decided_by"] == "crossfit" and "this report's question" in relation_to_fit(rule, grow_here)

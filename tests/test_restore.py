@@ -36,7 +36,7 @@ class States(L.Callback):
         self.optimizer[trainer.current_epoch] = copy.deepcopy(trainer.optimizers[0].state_dict())
 
 
-def fit(tmp_path, min_gain=10.0, extra=(), trainer_kw=None, **kw):
+def fit(tmp_path, min_gain=10.0, extra=(), trainer_kw=None, module=ImageClassifier, **kw):
     L.seed_everything(0)
     # decision="gain": these runs test the stage-gain verdict and its undo (the default is now "trial")
     kw = {"rule": "paper", "t": 1e-12, "max_growths": 3, "decision": "gain"} | kw
@@ -47,8 +47,8 @@ def fit(tmp_path, min_gain=10.0, extra=(), trainer_kw=None, **kw):
     trainer_kw = {"limit_val_batches": 0, "logger": False} | (trainer_kw or {})
     trainer = L.Trainer(max_epochs=20, callbacks=[*extra, grow, ckpt], enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=tmp_path, **trainer_kw)  # fmt: skip
-    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic",
-                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=5e-4))  # fmt: skip
+    model = module(width=4, num_classes=4, blocks=[1, 1, 1], family="basic",
+                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=5e-4))  # fmt: skip
     trainer.fit(model, tiny_dm())
     return grow, model, trainer
 
@@ -232,6 +232,24 @@ def test_after_an_undo_the_run_reports_the_restored_network(tmp_path):
     assert "final (re-measured on the restored network of check 0 (depth 3, eval mode))" in text
     assert f"val_loss={want['val_loss']:.4g}" in text and f"val_loss={removed:.4g}" not in text
     assert "restored the network of check 0" in text
+
+
+class _NoTrainAcc(ImageClassifier):
+    """A classifier that logs train_loss but no train_acc (the names a module logs are its own)."""
+
+    def log(self, name, value, *args, **kwargs):
+        if name != "train_acc":
+            super().log(name, value, *args, **kwargs)
+
+
+def test_an_undo_adds_no_train_acc_the_module_does_not_log(tmp_path):
+    """The restored network's train_acc is re-measured only where the module logs one: for a
+    module without it, neither the record nor the trainer's callback metrics gain a train_acc."""
+    grow, model, trainer = fit(tmp_path, module=_NoTrainAcc)
+    last = grow.history[-1]
+    assert last["restored"] and trainer.global_step == last["step"]  # the fit ended at the undo
+    assert "train_loss" in last["restored"]["metrics"] and "train_acc" not in last["restored"]["metrics"]
+    assert "train_loss" in trainer.callback_metrics and "train_acc" not in trainer.callback_metrics
 
 
 def test_final_metrics_are_the_trainers_when_training_followed_the_undo():

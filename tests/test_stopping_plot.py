@@ -66,3 +66,12 @@ def test_an_empty_output_folder_plots_without_a_warning():
         warnings.simplefilter("error")
         left = plot_stopping({"depth_kwarg": "added", "d_star": None, "by_depth": {}}, []).axes[0]
     assert [t.get_text() for t in left.texts] == ["no rows yet"] and left.get_legend() is None
+
+
+def test_a_folder_with_rows_keeps_its_legend():
+    """The other branch: with a sweep and growth rows the left panel has its legend, no placeholder."""
+    rows = [{"seed": 0, "depth": 1, "test_loss": 0.46, "stopped": "saturated", "history": []}]
+    left = plot_stopping(_summary(), rows).axes[0]
+    legend = left.get_legend()
+    assert legend is not None and list(left.texts) == []
+    assert {t.get_text() for t in legend.get_texts()} == {"scratch (mean ± sd)", "d* = 1", "growth (found depth)"}

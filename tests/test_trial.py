@@ -276,6 +276,25 @@ def test_a_network_at_chance_level_is_never_called_saturated():
     assert "at chance level, not saturated" in text and "certified saturation" not in text
 
 
+def test_the_chance_guard_reads_the_probes_mean_loss():
+    """Per-sample probe losses that spread: the guard compares their mean (not the smallest or
+    largest sample) with 90 % of the constant prediction's loss, here log 4 (balanced 4 classes,
+    cross-entropy): 0.9 · log 4 = 1.2477."""
+    from types import SimpleNamespace
+
+    from growtrain.callbacks.trial_check import BlockTrials
+
+    y = torch.tensor([0, 1, 2, 3] * 25)
+    trainer = SimpleNamespace(precision_plugin=SimpleNamespace(convert_input=lambda batch: batch))
+    probe = [(torch.zeros(50, 1), y[:50]), (torch.zeros(50, 1), y[50:])]
+    assert 0.9 * math.log(4) == pytest.approx(1.2477, abs=1e-4)
+    at = torch.tensor([0.1, 2.5] * 50)  # mean 1.30 ≥ 1.2477 (smallest sample 0.1 is far below)
+    below = torch.tensor([0.0, 2.4] * 50)  # mean 1.20 < 1.2477 (largest sample 2.4 is far above)
+    reason = BlockTrials._chance(trainer, probe, at, F.cross_entropy)
+    assert reason is not None and "probe loss 1.3 " in reason and f"{math.log(4):.4g}" in reason
+    assert BlockTrials._chance(trainer, probe, below, F.cross_entropy) is None
+
+
 def test_the_summary_table_shows_what_the_trial_certified():
     """decision="trial": the summary's row shows the number that decided (the best trial's
     certified gain, % of the held-out loss), beside the first-order lower bound that only chose
