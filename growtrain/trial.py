@@ -158,10 +158,10 @@ def constant_prediction_loss(targets: torch.Tensor, loss_fn: Any) -> float | Non
     return value if math.isfinite(value) else None
 
 
-def at_chance(loss: float, entropy: float | None, margin: float = 0.1) -> bool:
-    """Has the network not learned: its held-out loss within ``margin`` (10 %) of the best
-    constant prediction's?"""
-    return entropy is not None and entropy > 0 and loss >= (1.0 - margin) * entropy
+def at_chance(loss: float, reference: float | None, margin: float = 0.1) -> bool:
+    """Has the network not learned: its held-out loss within ``margin`` (10 %) of ``reference``,
+    the best constant prediction's loss (:func:`constant_prediction_loss`)?"""
+    return reference is not None and reference > 0 and loss >= (1.0 - margin) * reference
 
 
 def trial_verdict(trials: Sequence[dict], min_gain: float, chance: str | None = None) -> Verdict:

@@ -209,19 +209,24 @@ def test_measure_never_overwrites_an_earlier_result_and_says_where_it_wrote(fitt
         GrowtrainCLI(args=args + [f"--output_dir={root / 'measure'}"])
 
 
-def test_an_experiment_says_where_each_trainings_checkpoints_are(tmp_path, capsys):
-    """`stopping` and the other experiments keep one folder per training (its checkpoints/ and
-    metrics.csv) under the output folder: the closing lines name them, not only the files."""
+def _wrote(name, out) -> None:
+    """GrowTrainer._wrote for experiment ``name`` and folder ``out``, as rank 0 (read with capsys)."""
     from types import SimpleNamespace
 
     from growtrain.trainer import GrowTrainer
 
+    GrowTrainer._wrote(SimpleNamespace(is_global_zero=True), name, out)
+
+
+def test_an_experiment_says_where_each_trainings_checkpoints_are(tmp_path, capsys):
+    """`stopping` and the other experiments keep one folder per training (its checkpoints/ and
+    metrics.csv) under the output folder: the closing lines name them, not only the files."""
     out = tmp_path / "stopping"
     for run in ("growth_abc_seed0", "scratch_added0_seed0", "scratch_added1_seed0"):
         (out / run / "checkpoints").mkdir(parents=True)
     (out / "plots").mkdir()  # a folder without checkpoints/ is not a training's
     (out / "runs.jsonl").write_text("")
-    GrowTrainer._wrote(SimpleNamespace(is_global_zero=True), "stopping", out)
+    _wrote("stopping", out)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"stopping: results in {out}/ (runs.jsonl)"
     assert lines[1] == (f"stopping: each training's checkpoints/ and metrics.csv in its folder under {out}/: "
@@ -231,15 +236,11 @@ def test_an_experiment_says_where_each_trainings_checkpoints_are(tmp_path, capsy
 @pytest.mark.parametrize("count", [12, 13])
 def test_the_trainings_line_names_at_most_twelve_folders(tmp_path, capsys, count):
     """A sweep of many trainings: up to 12 folders are named; beyond that the first 12 and the count."""
-    from types import SimpleNamespace
-
-    from growtrain.trainer import GrowTrainer
-
     out = tmp_path / "sweep"
     names = [f"scratch_added{i:02d}_seed0" for i in range(count)]
     for run in names:
         (out / run / "checkpoints").mkdir(parents=True)
-    GrowTrainer._wrote(SimpleNamespace(is_global_zero=True), "sweep", out)
+    _wrote("sweep", out)
     line = capsys.readouterr().out.splitlines()[1]
     shown = ", ".join(names[:12]) + (", … (13 in all)" if count == 13 else "")
     assert line == f"sweep: each training's checkpoints/ and metrics.csv in its folder under {out}/: {shown}"

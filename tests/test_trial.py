@@ -230,6 +230,16 @@ def test_the_default_decision_is_the_trial_and_min_gain_none_is_the_rule():
     assert GrowUntilSaturated(trial_growth=True).decision == "gain"
 
 
+def _chance_inputs(y: torch.Tensor):
+    """What BlockTrials._chance reads: a trainer (only its precision plugin's input conversion)
+    and a probe loader of two batches carrying the targets ``y``."""
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(precision_plugin=SimpleNamespace(convert_input=lambda batch: batch))
+    half = len(y) // 2
+    return trainer, [(torch.zeros(half, 1), y[:half]), (torch.zeros(len(y) - half, 1), y[half:])]
+
+
 def test_a_network_at_chance_level_is_never_called_saturated():
     from growtrain.trial import at_chance, label_entropy
 
@@ -252,12 +262,9 @@ def test_a_network_at_chance_level_is_never_called_saturated():
     assert constant_prediction_loss(torch.randn(10), F.cross_entropy) is None
     # the callback's collaborator asks with the module's own loss: a trained network on the loss × 10
     # is not at chance, an untrained one is, and the reason names the reference it used
-    from types import SimpleNamespace
-
     from growtrain.callbacks.trial_check import BlockTrials
 
-    trainer = SimpleNamespace(precision_plugin=SimpleNamespace(convert_input=lambda batch: batch))
-    probe = [(torch.zeros(50, 1), y[:50]), (torch.zeros(50, 1), y[50:])]
+    trainer, probe = _chance_inputs(y)
     trained, untrained = torch.full((100,), 2.0), torch.full((100,), 13.5)  # 10 × 0.2 nats, 10 × 1.35 nats
     assert BlockTrials._chance(trainer, probe, trained, scaled) is None
     reason = BlockTrials._chance(trainer, probe, untrained, scaled)
@@ -280,13 +287,9 @@ def test_the_chance_guard_reads_the_probes_mean_loss():
     """Per-sample probe losses that spread: the guard compares their mean (not the smallest or
     largest sample) with 90 % of the constant prediction's loss, here log 4 (balanced 4 classes,
     cross-entropy): 0.9 · log 4 = 1.2477."""
-    from types import SimpleNamespace
-
     from growtrain.callbacks.trial_check import BlockTrials
 
-    y = torch.tensor([0, 1, 2, 3] * 25)
-    trainer = SimpleNamespace(precision_plugin=SimpleNamespace(convert_input=lambda batch: batch))
-    probe = [(torch.zeros(50, 1), y[:50]), (torch.zeros(50, 1), y[50:])]
+    trainer, probe = _chance_inputs(torch.tensor([0, 1, 2, 3] * 25))
     assert 0.9 * math.log(4) == pytest.approx(1.2477, abs=1e-4)
     at = torch.tensor([0.1, 2.5] * 50)  # mean 1.30 ≥ 1.2477 (smallest sample 0.1 is far below)
     below = torch.tensor([0.0, 2.4] * 50)  # mean 1.20 < 1.2477 (largest sample 2.4 is far above)

@@ -197,10 +197,10 @@ def _train_loss(trainer: Any, forward: Callable, loss_fn: Callable, module: nn.M
         total = trainer.strategy.reduce(total.to(trainer.strategy.root_device), reduce_op="sum").cpu()
     if float(total[1]) <= 0:
         return {}
-    out = {"train_loss": float(total[0] / total[1])}
+    measured = {"train_loss": float(total[0] / total[1])}
     if classes:
-        out["train_acc"] = float(total[2] / total[1])
-    return out
+        measured["train_acc"] = float(total[2] / total[1])
+    return measured
 
 
 def remeasure(trainer: Any, pl_module: Any, forward: Callable, loss_fn: Callable) -> dict[str, float]:
