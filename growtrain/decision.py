@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import Literal, Sequence
 
 import torch
-
-if TYPE_CHECKING:  # pragma: no cover
-    from growtrain.saturation import SaturationReport
 
 __all__ = [
     "RULES",
@@ -48,9 +45,7 @@ __all__ = [
     "should_check",
     "plateau_update",
     "budget_reason",
-    "rank_sites",
     "decide_growth",
-    "best_scored_site",
     "insertion_tolerance",
     "check_min_gain",
     "gain_verdict",
@@ -80,10 +75,15 @@ class Verdict:
     score: float  # the rule's statistic: Γ̂ (paper) or the best lower bound (crossfit, relative)
     margin: float  # what the statistic had to exceed: δ + t, δ, or max(δ, τ·R)
     reason: str
+    # ``saturated`` says growth should end; ``certified`` says more: an upper confidence bound on what
+    # one more block gains lies below the margin (block-only trials, the window rule). A stop without it
+    # is "no certified gain": the lower bound did not clear the margin, which leaves a gain above it
+    # unresolved. A field set from the numbers by the rule, so no reader has to parse ``reason``.
+    certified: bool = False
 
     def to_dict(self) -> dict:
-        return {"rule": self.rule, "saturated": self.saturated, "site": self.site, "score": self.score,
-                "margin": self.margin, "reason": self.reason}  # fmt: skip
+        return {"rule": self.rule, "saturated": self.saturated, "certified": self.certified, "site": self.site,
+                "score": self.score, "margin": self.margin, "reason": self.reason}  # fmt: skip
 
 
 def check_tau(tau: object, arg: str = "tau") -> float:
@@ -99,10 +99,16 @@ def check_tau(tau: object, arg: str = "tau") -> float:
 
 # -- the three rules -------------------------------------------------------------------------
 def paper_verdict(gamma: float, best_site: str, delta: float, t: float) -> Verdict:
-    """Proposition 1: saturated iff ``Γ̂_n ≤ δ + t``; the best site is ``argmax_l ‖ĝ_l‖``."""
+    """Proposition 1: saturated iff ``Γ̂_n ≤ δ + t``; the best site is ``argmax_l ‖ĝ_l‖``.
+
+    What a stop certifies: Proposition 1 separates ``Γ ≤ δ`` from ``Γ ≥ δ + 2t``, so ``Γ̂ ≤ δ + t``
+    rules out ``Γ ≥ δ + 2t`` (up to its error bound), not ``Γ > δ``: "no certified first-order gain"."""
     margin = delta + t
     if gamma <= margin:
-        return Verdict("paper", True, None, gamma, margin, f"saturated: Γ̂={gamma:.4g} ≤ δ+t={margin:.4g}")
+        return Verdict("paper", True, None, gamma, margin,
+                       f"no certified first-order gain: Γ̂={gamma:.4g} ≤ δ+t={margin:.4g} (Proposition 1 then "
+                       f"bounds the first-order gain Γ below δ+2t={delta + 2 * t:.4g} up to its error bound, "
+                       "not below δ)")  # fmt: skip
     return Verdict("paper", False, best_site, gamma, margin, f"grow: Γ̂={gamma:.4g} > δ+t={margin:.4g}")
 
 
@@ -111,21 +117,24 @@ def _best(lowers: Sequence[float]) -> int:
 
 
 def crossfit_verdict(lowers: Sequence[float], names: Sequence[str], delta: float, level: float) -> Verdict:
-    """Grow iff ``max_l lower_l > δ`` (each bound at ``level = α/K``) at the argmax site."""
+    """Grow iff ``max_l lower_l > δ`` (each bound at ``level = α/K``) at the argmax site. A stop
+    certifies nothing: a lower bound at or below δ leaves ``‖g_l‖ > δ`` open."""
     j = _best(lowers)
     best, name = lowers[j], names[j]
     if best > delta:
         return Verdict("crossfit", False, name, best, delta,
                        f"grow: lower bound {best:.4g} at {name} > δ={delta:.4g} (level {level:.3g})")  # fmt: skip
     return Verdict("crossfit", True, None, best, delta,
-                   f"saturated: max lower bound {best:.4g} (at {name}) ≤ δ={delta:.4g} (level {level:.3g})")  # fmt: skip
+                   f"no certified first-order gain: max lower bound {best:.4g} (at {name}) ≤ δ={delta:.4g} "
+                   f"(level {level:.3g})")  # fmt: skip
 
 
 def relative_verdict(
     lowers: Sequence[float], names: Sequence[str], reference: float, tau: float, delta: float, level: float
 ) -> Verdict:
     """Grow iff ``max_l lower_l > max(δ, τ·R)``: a new block certifies at least ``τ`` times the
-    first-order value (gradient norm) of an average existing block."""
+    first-order value (gradient norm) of an average existing block. Like the cross-fit rule, a
+    stop is a lower bound that did not clear the margin: no certified gain, not saturation."""
     j = _best(lowers)
     best, name = lowers[j], names[j]
     margin = max(delta, tau * reference)
@@ -133,7 +142,8 @@ def relative_verdict(
     what = f"lower bound {best:.4g} at {name} = {ratio:.3g}×R (R={reference:.4g}, τ={tau:g}, level {level:.3g})"
     if best > margin:
         return Verdict("relative", False, name, best, margin, f"grow: {what} > max(δ, τ·R)={margin:.4g}")
-    return Verdict("relative", True, None, best, margin, f"saturated: {what} ≤ max(δ, τ·R)={margin:.4g}")
+    return Verdict("relative", True, None, best, margin,
+                   f"no certified first-order gain: {what} ≤ max(δ, τ·R)={margin:.4g}")  # fmt: skip
 
 
 def debiased_reference(
@@ -253,41 +263,6 @@ def budget_reason(
     return None
 
 
-def rank_sites(report: "SaturationReport", top_k: int) -> list[str]:
-    """Up to ``top_k`` distinct sites to grow, best first (empty when saturated).
-
-    The first is the report's ``best_site``. Further sites need the same evidence: with the
-    cross-fit and relative rules only sites whose certified ``lower`` exceeds the rule's margin
-    (ranked by ``lower``); with the paper's rule the next sites by ``‖ĝ‖`` (Proposition 1
-    certifies the maximum only, so ``top_k > 1`` is a heuristic there).
-    """
-    if report.saturated or report.best_site is None:
-        return []
-    out = [report.best_site]
-    if report.rule in ("crossfit", "relative"):
-        margin = getattr(report, "margin", report.delta)
-        rest = [r for r in report.sites if r.lower is not None and r.lower > margin]
-        rest.sort(key=lambda r: -r.lower)
-    else:
-        rest = sorted(report.sites, key=lambda r: -r.grad_norm)
-    for r in rest:
-        if len(out) >= top_k:
-            break
-        if r.name not in out:
-            out.append(r.name)
-    return out
-
-
-def best_scored_site(report: "SaturationReport") -> str | None:
-    """The site a growth judged by its realized gain takes: the largest certified lower bound
-    (cross-fit and relative rules) or the largest ``‖ĝ‖`` (paper's rule), whatever the verdict."""
-    if not report.sites:
-        return None
-    if report.rule in ("crossfit", "relative") and all(r.lower is not None for r in report.sites):
-        return max(report.sites, key=lambda r: r.lower).name
-    return max(report.sites, key=lambda r: r.grad_norm).name
-
-
 def decide_growth(
     *,
     saturated: bool,
@@ -347,9 +322,11 @@ def check_min_gain(value: object) -> float | None:
 def gain_verdict(gain: dict) -> Verdict:
     """The verdict of :func:`growtrain.gain.gain_test`'s figures: paid iff the certified lower
     bound on the mean per-sample gain exceeds ``min_gain · loss_before`` (strictly). Both sides
-    scale with the loss, so a loss in other units makes the same decision; no learning rate enters."""
+    scale with the loss, so a loss in other units makes the same decision; no learning rate enters.
+    A stop has no upper bound behind it: the last block's gain above ``min_gain`` was not ruled out."""
     what = (f"the last growth lowered the probe loss by {gain['mean']:.4g} (lower bound {gain['lower']:.4g}, "
             f"{gain['method']} at level {gain['level']:.3g}) vs min_gain·loss = {gain['margin']:.4g}")  # fmt: skip
     if gain["paid"]:
         return Verdict("gain", False, None, gain["lower"], gain["margin"], f"paid: {what}")
-    return Verdict("gain", True, None, gain["lower"], gain["margin"], f"saturated: depth stopped paying: {what}")
+    return Verdict("gain", True, None, gain["lower"], gain["margin"],
+                   f"no certified gain: depth stopped paying: {what}")  # fmt: skip

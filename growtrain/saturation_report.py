@@ -15,7 +15,7 @@ from growtrain import decision as dec
 from growtrain import probe_math as pm
 from growtrain.growable import Site
 
-__all__ = ["SaturationReport", "SiteRecord", "build_report"]
+__all__ = ["SaturationReport", "SiteRecord", "build_report", "rank_sites", "best_scored_site"]
 
 
 # -- report --------------------------------------------------------------------------------
@@ -210,3 +210,39 @@ def build_report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfi
         tau=tau if rule == "relative" else None,
         verdicts=verdicts,
     )
+
+
+# -- which sites a report says to grow (here, not in decision.py: the decisions import no report)
+def rank_sites(report: SaturationReport, top_k: int) -> list[str]:
+    """Up to ``top_k`` distinct sites to grow, best first (empty when saturated).
+
+    The first is the report's ``best_site``. Further sites need the same evidence: with the
+    cross-fit and relative rules only sites whose certified ``lower`` exceeds the rule's margin
+    (ranked by ``lower``); with the paper's rule the next sites by ``‖ĝ‖`` (Proposition 1
+    certifies the maximum only, so ``top_k > 1`` is a heuristic there).
+    """
+    if report.saturated or report.best_site is None:
+        return []
+    out = [report.best_site]
+    if report.rule in ("crossfit", "relative"):
+        margin = getattr(report, "margin", report.delta)
+        rest = [r for r in report.sites if r.lower is not None and r.lower > margin]
+        rest.sort(key=lambda r: -r.lower)
+    else:
+        rest = sorted(report.sites, key=lambda r: -r.grad_norm)
+    for r in rest:
+        if len(out) >= top_k:
+            break
+        if r.name not in out:
+            out.append(r.name)
+    return out
+
+
+def best_scored_site(report: SaturationReport) -> str | None:
+    """The site a growth judged by its realized gain takes: the largest certified lower bound
+    (cross-fit and relative rules) or the largest ``‖ĝ‖`` (paper's rule), whatever the verdict."""
+    if not report.sites:
+        return None
+    if report.rule in ("crossfit", "relative") and all(r.lower is not None for r in report.sites):
+        return max(report.sites, key=lambda r: r.lower).name
+    return max(report.sites, key=lambda r: r.grad_norm).name

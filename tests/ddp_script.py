@@ -92,7 +92,8 @@ class AfterCheck(L.Callback):
             torch.save(blocks[0].state_dict(), os.path.join(self.out, f"inserted{trainer.global_rank}.pt"))
 
 
-def fit(out: str, epochs: int, same_buffers: bool, restore_best: bool = True, trial_gain: float | None = None) -> None:
+def fit(out: str, epochs: int, same_buffers: bool, restore_best: bool = True, trial_gain: float | None = None,
+        periodic: bool = False) -> None:
     os.makedirs(out, exist_ok=True)
     L.seed_everything(0)
     data = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=400, synthetic_classes=4,
@@ -105,6 +106,9 @@ def fit(out: str, epochs: int, same_buffers: bool, restore_best: bool = True, tr
     # trial_gain: the block-only trial decision instead, with that min_gain (5.0: no trial can pay)
     decision = {"decision": "gain", "min_gain": 0.0} if trial_gain is None else {
         "decision": "trial", "min_gain": trial_gain, "trial_epochs": 0.5, "trial_holdout": 32}
+    if periodic:  # the periodic schedule's window rule: every check pairs the whole probe's losses with a window ago
+        decision = {"schedule": "periodic", "decision": "window", "window": 1, "min_gain": 0.0, "on_saturated": "anneal",
+                    "anneal_epochs": 1}  # fmt: skip
     grow = GrowUntilSaturated(monitor=None, rule="crossfit", max_growths=2, every_n_epochs=1, **decision,
                               restore_best=restore_best, verbose=False)  # fmt: skip
     snapshot = Snapshot(out, same_buffers)
@@ -121,6 +125,7 @@ def fit(out: str, epochs: int, same_buffers: bool, restore_best: bool = True, tr
         "world_size": trainer.world_size,
         "history": grow.history,
         "gain_reference": grow.gain_reference,
+        "window_entries": grow._window.entries if grow._window is not None else None,
         "growth_log": module.network.growth_log,
         "param_groups": [g.get("name") for g in trainer.optimizers[0].param_groups],
         "probe_shard": [int(i) for i in shard.sampler],
@@ -140,6 +145,7 @@ def main() -> None:
     parser.add_argument("--no-rewrap", action="store_true", help="break DDP re-wrapping (the test's negative control)")
     parser.add_argument("--then-no-rewrap", metavar="OUT",
                         help="afterwards, in the same processes, the --no-rewrap fit into OUT (saves a launch)")
+    parser.add_argument("--then-window", metavar="OUT", help="afterwards, the periodic schedule's window rule into OUT")
     parser.add_argument("--then-trial", metavar="OUT", nargs=2,
                         help="afterwards, the trial decision: an impossible min_gain into OUT1, min_gain=0 into OUT2")
     args = parser.parse_args()
@@ -155,6 +161,8 @@ def main() -> None:
     if args.then_trial:
         fit(args.then_trial[0], 1, False, trial_gain=5.0)
         fit(args.then_trial[1], 2, False, trial_gain=0.0)
+    if args.then_window:
+        fit(args.then_window, 4, False, periodic=True)
 
 
 if __name__ == "__main__":

@@ -196,18 +196,23 @@ def fit(args, name: str) -> None:
         module.fsdp_policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
                               "reshard_after_forward": False}  # fmt: skip
     after = AfterGrowth()
+    decision = {"decision": "gain"}
+    if run.startswith("window"):  # the periodic schedule's window rule: fsdp ("window") against ddp ("windowddp")
+        decision = {"schedule": "periodic", "decision": "window", "window": 1, "on_saturated": "anneal",
+                    "anneal_epochs": 1}  # fmt: skip
     grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, rule="crossfit", min_gain=0.0, max_growths=2,
-                              decision="gain", alpha=0.5, verbose=False, seed=1)  # fmt: skip
+                              alpha=0.5, verbose=False, seed=1, **decision)  # fmt: skip
     ckpt_dir = os.path.join(out, f"{name}_ckpt")
     callbacks = [grow, after]
     strategy: object = "ddp"
-    if run != "ddp":
+    if run not in ("ddp", "windowddp"):
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
                                          save_distributed_checkpoint=run != "full")  # fmt: skip
     if run in ("fsdp", "full"):
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1,
                                          save_on_train_epoch_end=True))  # fmt: skip
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=args.epochs, callbacks=callbacks,
+    epochs = args.epochs + run.startswith("window")  # the window runs reserve their last epoch for the anneal
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs, callbacks=callbacks,
                         logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         default_root_dir=out, enable_checkpointing=run in ("fsdp", "full"))  # fmt: skip
     ckpt = None
@@ -232,7 +237,7 @@ def fit(args, name: str) -> None:
         "growth_log": module.growable_network.growth_log, "error": error,
         "param_groups": [g.get("name") for g in trainer.optimizers[0].param_groups] if trainer.optimizers else [],
         "after_growth": after.facts, "depth": module.growable_network.depth(),
-        "grown_sum": grown_sum, "units": len(units), "root_states": [len(r._state_ctx.all_states) for r in roots],
+        "grown_sum": grown_sum, "window_entries": grow._window.entries if grow._window is not None else None, "units": len(units), "root_states": [len(r._state_ctx.all_states) for r in roots],
         "local_checksum": float(sum(p.to_local().double().sum() if hasattr(p, "to_local") else p.double().sum()
                                     for p in module.parameters())),
     }  # fmt: skip

@@ -22,9 +22,11 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import growtrain.callbacks.growth as callback_module
 from growtrain.callbacks import telemetry
-from growtrain.callbacks.growth import FunctionChangedError, GrowUntilSaturated, _insertion_order
+from growtrain.callbacks.editor import insertion_order as _insertion_order
+from growtrain.callbacks.growth import FunctionChangedError, GrowUntilSaturated
 from growtrain.callbacks.probe_data import probe_overlap
-from growtrain.decision import PROBE_COST, decide_growth, plateau_update, rank_sites, should_check
+from growtrain.decision import PROBE_COST, decide_growth, plateau_update, should_check
+from growtrain.saturation_report import rank_sites
 from growtrain.data import ImageDataModule
 from growtrain.growable import GrowableStack, grown_blocks
 from growtrain.module import GrowableModuleMixin, ImageClassifier

@@ -84,10 +84,27 @@ def _results(proc: subprocess.Popen, out: Path) -> list[dict]:
 def ddp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp")
     proc = _launch(root / "sync", "--same-buffers", "--then-no-rewrap", str(root / "no_rewrap"),
-                   "--then-trial", str(root / "trial_fail"), str(root / "trial_grow"))
+                   "--then-trial", str(root / "trial_fail"), str(root / "trial_grow"), "--then-window", str(root / "window"))
     read = lambda name: [json.loads((root / name / f"rank{r}.json").read_text()) for r in (0, 1)]  # noqa: E731
     return {"sync": (_results(proc, root / "sync"), root / "sync"), "no_rewrap": (read("no_rewrap"), root / "no_rewrap"),
-            "trial_fail": (read("trial_fail"), None), "trial_grow": (read("trial_grow"), None)}  # fmt: skip
+            "trial_fail": (read("trial_fail"), None), "trial_grow": (read("trial_grow"), None),
+            "window": (read("window"), None)}  # fmt: skip
+
+
+def test_the_periodic_window_rule_decides_alike_on_every_rank_from_the_whole_probe(ddp_runs):
+    """schedule='periodic' under DDP: every rank keeps rank 0's per-sample losses of the whole
+    probe (91 samples, not its shard of 46/45), so the window's verdicts and the grown blocks are
+    the same on both ranks, and the last verdict's gain is the one its kept losses give."""
+    (r0, r1), _ = ddp_runs["window"]
+    assert [h["action"] for h in r0["history"]] == [h["action"] for h in r1["history"]]
+    assert r0["history"][0]["action"] == "grow" and r0["growth_log"] == r1["growth_log"] != []
+    assert [h.get("window") for h in r0["history"]] == [h.get("window") for h in r1["history"]]
+    assert r0["window_entries"] == r1["window_entries"] and all(len(e["losses"]) == 91 for e in r0["window_entries"])
+    last = [h for h in r0["history"] if (h.get("window") or {}).get("reference_epoch") is not None][-1]["window"]
+    kept = {e["epoch"]: torch.tensor(e["losses"], dtype=torch.float64) for e in r0["window_entries"]}
+    before, after = kept[last["reference_epoch"]], kept[last["epoch"]]
+    assert last["gain_frac"] == pytest.approx(float((before.mean() - after.mean()) / before.mean()), rel=1e-9)
+    assert r0["checksum"] == r1["checksum"]
 
 
 def test_a_failed_trial_leaves_every_rank_bit_for_bit_as_it_was(ddp_runs):

@@ -30,7 +30,8 @@ from growtrain.callbacks.sharded import equal_shards
 from tests.test_ddp import ROOT, _free_port, clean_env
 
 RUNS = ("gpt:fsdp", "gpt:ddp", "gpt:resume", "gpt:resume_unhooked", "gpt:full", "gpt:mp", "gpt:noshard",
-        "gpt:broken", "llama:fsdp", "llama:ddp", "llama:resume", "own:fsdp", "own:ddp")  # fmt: skip
+        "gpt:broken", "llama:fsdp", "llama:ddp", "llama:resume", "own:fsdp", "own:ddp", "gpt:window",
+        "gpt:windowddp")  # fmt: skip
 LOCAL = ("max_abs_change", "tolerance")  # each rank verifies the insertion on its own first probe batch
 
 
@@ -107,6 +108,24 @@ def test_fsdp2_and_ddp_make_the_same_decisions_and_reach_the_same_parameters(run
     assert set(p_fsdp) == set(ddp_keys) and len(p_fsdp) > 10
     for key, value in p_fsdp.items():
         torch.testing.assert_close(value, ddp_keys[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_the_periodic_window_rule_decides_under_fsdp2_as_under_ddp(runs):
+    """schedule='periodic' under FSDP2: every rank scores the whole probe per sample through the
+    sharded network (a collective forward), so the window's kept losses, its verdicts and the
+    grown blocks are those of the same fit under DDP."""
+    results, _ = runs
+    (fs, fs1), dd = results["gpt:window"], results["gpt:windowddp"][0]
+    assert [(h["action"], h.get("site")) for h in fs["history"]] == [(h["action"], h.get("site")) for h in dd["history"]]
+    assert fs["history"][0]["action"] == "grow" and fs["growth_log"] == dd["growth_log"]
+    assert fs["window_entries"] == fs1["window_entries"]  # one decision on every rank
+    for a, b in zip(fs["window_entries"], dd["window_entries"]):
+        assert a["epoch"] == b["epoch"]
+        torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=1e-5, atol=1e-6)
+    judged = [(a["window"], b["window"]) for a, b in zip(fs["history"], dd["history"]) if "gain_frac" in a.get("window", {})]
+    assert judged, "no check had a full window"
+    for a, b in judged:
+        assert a["gain_frac"] == pytest.approx(b["gain_frac"], rel=1e-4, abs=1e-7)
 
 
 def test_a_new_block_copies_a_non_default_policy_bf16_compute_and_no_reshard_after_forward(runs):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from growtrain import decision as dec
 from growtrain.gain import GAIN_METHODS, gain_test
+from growtrain.saturation_report import best_scored_site
 from growtrain.callbacks import GrowUntilSaturated
 from growtrain.callbacks.probe_data import ProbeView, per_sample_losses
 from growtrain.data import ImageDataModule
@@ -416,7 +417,7 @@ def test_best_scored_site_takes_the_rules_own_score_whatever_the_verdict():
     from types import SimpleNamespace as S
 
     sites = [S(name="a", lower=-0.2, grad_norm=3.0), S(name="b", lower=-0.1, grad_norm=1.0)]
-    assert dec.best_scored_site(S(rule="crossfit", sites=sites)) == "b"  # largest lower bound, though ≤ 0
-    assert dec.best_scored_site(S(rule="relative", sites=sites)) == "b"
-    assert dec.best_scored_site(S(rule="paper", sites=sites)) == "a"  # largest ‖ĝ‖
-    assert dec.best_scored_site(S(rule="crossfit", sites=[])) is None
+    assert best_scored_site(S(rule="crossfit", sites=sites)) == "b"  # largest lower bound, though ≤ 0
+    assert best_scored_site(S(rule="relative", sites=sites)) == "b"
+    assert best_scored_site(S(rule="paper", sites=sites)) == "a"  # largest ‖ĝ‖
+    assert best_scored_site(S(rule="crossfit", sites=[])) is None

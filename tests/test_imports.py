@@ -4,8 +4,8 @@ cycle and points down the layers cli → trainer → experiments → callbacks �
 The graph is read from the source with ``ast``: every ``import``/``from … import`` of a
 growtrain module, at module level or deferred inside a function (a deferred import hides a cycle
 from the interpreter but not from a reader). Imports inside a module-level ``__getattr__``
-(PEP 562) are not edges: that is how ``growtrain`` loads its Lightning parts on first use. Imports under ``if TYPE_CHECKING:`` never run: they must point down the layers
-like any other, but make no cycle (a type annotation does not fix an import order). A *shim*
+(PEP 562) are not edges: that is how ``growtrain`` loads its Lightning parts on first use. Imports under ``if TYPE_CHECKING:`` never run, but a reader follows them: they must point
+down the layers like any other and close no cycle either. A *shim*
 (a module that only re-exports) may import from any layer, but not into a cycle; the package
 has none today (the pre-release ones were removed).
 """
@@ -162,6 +162,14 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_import_graph_has_no_cycle():
     cycle = find_cycle(import_graph(include_type_only=False))
     assert cycle is None, "import cycle among growtrain modules: " + " → ".join(cycle)
+
+
+def test_no_cycle_even_through_type_only_imports():
+    """A reader follows an annotation's import too: decision.py once named saturation.py's report
+    under TYPE_CHECKING while saturation.py imported decision.py (the report's own functions now
+    live in saturation_report.py)."""
+    cycle = find_cycle(import_graph(include_type_only=True))
+    assert cycle is None, "import cycle among growtrain modules (type-only imports included): " + " → ".join(cycle)
 
 
 def test_imports_point_down_the_layers():

@@ -41,10 +41,9 @@ class RealizedGainMixin:
                 "min_gain=None."
             )
 
-    def _last_growth_paid(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module,
-                          level: float) -> tuple[torch.Tensor, torch.Tensor, dict | None]:  # fmt: skip
-        """The probe's per-sample losses now, their samples' fingerprints and, after a growth, the
-        verdict on that growth.
+    def _probe_losses(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module
+                      ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The probe's per-sample losses now (on the host) and their samples' fingerprints.
 
         On one process they come from the probe pass's own forward (the ghosts output zero).
         Under DDP every rank scores the whole probe (not its shard) in one extra forward pass and
@@ -67,6 +66,13 @@ class RealizedGainMixin:
         if signatures is None or signatures.numel() != losses.numel():
             raise RuntimeError(f"probe: {losses.numel()} per-sample losses but fingerprints of "
                                f"{None if signatures is None else signatures.numel()} samples; the probe pass was cut short")
+        return losses.cpu(), signatures.cpu()
+
+    def _last_growth_paid(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module,
+                          level: float) -> tuple[torch.Tensor, torch.Tensor, dict | None]:  # fmt: skip
+        """The probe's per-sample losses now, their samples' fingerprints and, after a growth, the
+        verdict on that growth (:meth:`_probe_losses`)."""
+        losses, signatures = self._probe_losses(trainer, pl_module, network)
         if self.gain_reference is None:
             return losses, signatures, None
         before = torch.tensor(self.gain_reference, dtype=torch.float64)

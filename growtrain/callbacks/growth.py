@@ -18,7 +18,6 @@ inserts exactly the blocks an uninterrupted run would.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Callable, Iterable, Literal, Sequence
 
@@ -29,8 +28,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from growtrain import decision as dec
-from growtrain import fsdp
-from growtrain.callbacks import sharded, telemetry
+from growtrain.callbacks import editor, sharded, telemetry
+from growtrain.callbacks.editor import FunctionChangedError
 from growtrain.callbacks.growth_config import GrowthConfig
 from growtrain.callbacks.anneal import StageAnnealMixin
 from growtrain.callbacks.gain_check import RealizedGainMixin
@@ -39,36 +38,22 @@ from growtrain.callbacks.monitor import StageMonitorMixin
 from growtrain.callbacks.remeasure import save_rewound, saved_checkpoints
 from growtrain.callbacks.restore import take_snapshot
 from growtrain.callbacks.trial_check import BlockTrials
+from growtrain.callbacks.window_check import WindowRule
 from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_HOLDOUT, DEFAULT_TRIAL_LR
 from growtrain.callbacks.probe_data import (
-    Converted as _Converted, Fingerprinted, ProbeView, check_probe_setup, check_split_indices, datasets_of, eval_output,
+    Converted as _Converted, Fingerprinted, ProbeView, check_probe_setup, check_split_indices, datasets_of,
     first_input, probe_overlap,
 )  # fmt: skip
-from growtrain.batches import to_device
 from growtrain.crossfit import probe_size
 from growtrain.callbacks import guidance  # what a user would otherwise wonder about
-from growtrain.growable import grown_blocks, probe_loss_for, resolve_network
-from growtrain.reconfigure import reconfigure_optimizer, restart_schedulers
+from growtrain.growable import probe_loss_for, resolve_network
+from growtrain.reconfigure import restart_schedulers
 from growtrain.saturation import SaturationReport, measure_saturation
+from growtrain.saturation_report import best_scored_site, rank_sites
 
 __all__ = ["GrowUntilSaturated", "FunctionChangedError"]
 
 _UNSUPPORTED_STRATEGIES = sharded.REFUSED  # strategy class name -> (reason, supported alternative)
-
-
-class FunctionChangedError(RuntimeError):
-    """An inserted block changed the network's output: the insertion was rolled back."""
-
-
-def _insertion_order(names: Sequence[str]) -> list[str]:
-    """Sites as ``stage.index`` names, deepest index first within a stage, so that inserting one
-    never shifts the index of a site not yet used."""
-
-    def key(name: str):
-        stage, _, index = name.rpartition(".")
-        return (stage, -int(index)) if index.isdigit() else (name, 0)
-
-    return sorted(names, key=key)
 
 
 class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, StageMonitorMixin, Callback):
@@ -101,6 +86,16 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         every_n_epochs: with ``monitor=None``, check at the end of every n-th training epoch
             (counted from the last check); ``None`` means 1. Given together with a monitor it
             has no effect and is warned about.
+        schedule: when a check comes. ``"converged"`` (the paper's protocol): when ``monitor``
+            has plateaued (with ``lr_schedule="anneal"``: after the stage is annealed).
+            ``"periodic"``: every ``every_n_epochs`` at the module's constant rate, before the
+            network has converged, no anneal before a check (AutoGrow's protocol); growth ends by
+            ``decision`` (default ``"window"``), then ``on_saturated="anneal"`` runs the one final
+            anneal (``anneal_epochs``). ``monitor`` is not used by it.
+        window: ``decision="window"``: growth goes on while the probe loss fell over the last
+            ``window`` epochs (compared with the latest check at least that far back, per sample)
+            by a certified more than ``min_gain`` of it; until the window is full every check
+            grows at the best first-order site (growtrain/window.py).
         monitor: a metric logged per epoch (default ``"train_loss"``): check only when it has
             plateaued, i.e. the current stage has converged (the paper grows a converged
             network). ``None`` checks every ``every_n_epochs``. A module that logs no
@@ -165,7 +160,9 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             training at that depth with no further checks; ``"anneal"`` trains the final network
             for ``anneal_epochs`` more epochs with the learning rate annealed by a cosine from its
             current value to 0, then stops (also after a budget), so one fit yields a finished model.
-        anneal_epochs: the length of that final anneal.
+            Its ``anneal_epochs`` are reserved inside ``max_epochs``: once no more are left, growth
+            ends (a budget) so that the network handed over is annealed, never cut mid-stage.
+        anneal_epochs: the length of that final anneal (and of a converged stage's anneal).
         lr_schedule: after growth, new groups ``"continue"`` on the current schedule, or every
             scheduler ``"restart"`` s from step 0 for the new stage; or ``"anneal"``: the callback
             drives the learning rate (no scheduler allowed): each stage trains at the optimizer's
@@ -193,6 +190,8 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         network: str | nn.Module | None = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         every_n_epochs: int | None = None,
+        schedule: Literal["converged", "periodic"] = "converged",
+        window: int = 10,
         monitor: str | None = "train_loss",
         mode: Literal["min", "max"] = "min",
         patience: int = 3,
@@ -210,7 +209,7 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         alpha_spending: Literal["constant", "geometric", "inverse_square"] = "constant",
         restore_best: bool = True,
         trial_growth: bool = False,
-        decision: Literal["trial", "gain", "rule"] | None = None,
+        decision: Literal["trial", "gain", "rule", "window"] | None = None,
         trial_epochs: float = DEFAULT_TRIAL_EPOCHS,
         trial_lr: float = DEFAULT_TRIAL_LR,
         trial_holdout: int = DEFAULT_TRIAL_HOLDOUT,
@@ -240,6 +239,8 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         self._trials = BlockTrials(epochs=self.trial_epochs, lr=self.trial_lr, holdout=self.trial_holdout,
                                    sites=self.trial_sites, min_gain=self.min_gain or 0.0,
                                    seed=self.seed) if self.decision == "trial" else None  # fmt: skip
+        self._window = WindowRule(window=self.window, min_gain=self.min_gain or 0.0,
+                                  seed=self.seed) if self.decision == "window" else None  # fmt: skip
         self._reset_state()
         self.probe_seconds = 0.0  # wall time inside measure_saturation, this process (not saved)
         self._pass_losses: list | None = None  # per-sample probe losses from the last pass (min_gain)
@@ -382,6 +383,7 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.anneal_done is not None:
             self.anneal_done += 1
+            self.final_epochs += self.anneal_kind == "final"
             if self.anneal_done < self.anneal_epochs:
                 self._waiting = f"the {self.anneal_kind} anneal: {self.anneal_done} of {self.anneal_epochs} epoch(s) done"
                 return
@@ -399,10 +401,14 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             self.cooldown_left -= 1
             self._waiting = f"cooldown after growth: {self.cooldown_left + 1} epoch(s) left"
             return
-        plateaued = self._track_monitor(trainer) if self.monitor is not None else False
+        if self._final_reserved(trainer) is not None:  # no room for another stage: a budget check ends growth
+            self._check(trainer, pl_module)
+            return
+        monitor = self.monitor if self.schedule == "converged" else None  # periodic: every every_n_epochs
+        plateaued = self._track_monitor(trainer) if monitor is not None else False
         check, self._waiting = dec.should_check(
             finished=self.finished, cooldown_left=self.cooldown_left, epochs_since_check=self.epochs_since_check,
-            every_n_epochs=self.every_n_epochs, monitor=self.monitor, plateaued=plateaued,
+            every_n_epochs=self.every_n_epochs, monitor=monitor, plateaued=plateaued,
             min_stage_epochs=self.min_stage_epochs, stage_epochs=self.stage_epochs, probe_budget=self.probe_budget,
             trained_samples=self.trained_since_check,
             probe_samples=self._probe_samples(trainer) if self.probe_budget is not None else 0,
@@ -413,16 +419,29 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             return
         # lr_schedule="anneal": anneal the converged stage first (unless a budget already ends
         # growth: then the final anneal follows the check, the same single anneal)
-        annealing = self.lr_schedule == "anneal" and self._budget_reason() is None
+        annealing = self.lr_schedule == "anneal" and self._budget_reason(trainer) is None
         if not (annealing and self._start_anneal(trainer, "stage")):
             self._check(trainer, pl_module)
 
-    def _budget_reason(self) -> str | None:
+    def _budget_reason(self, trainer: Trainer | None = None) -> str | None:
         network = self._network
         return dec.budget_reason(
             growths=self.growths, max_growths=self.max_growths, depth=self._depth(network), max_blocks=self.max_blocks,
             params=telemetry.count_params(network), max_params=self.max_params,
-        )  # fmt: skip
+        ) or (self._final_reserved(trainer) if trainer is not None else None)  # fmt: skip
+
+    def _final_reserved(self, trainer: Trainer) -> str | None:
+        """With ``on_saturated="anneal"`` the final phase is reserved inside ``max_epochs``: once no
+        more than ``anneal_epochs`` epochs are left after this one, growth ends (a budget) and the
+        final anneal trains the network it hands over, so no fit hands over a network cut mid-stage."""
+        max_epochs = trainer.max_epochs
+        if self.on_saturated != "anneal" or self.finished is not None or max_epochs is None or max_epochs < 0:
+            return None
+        left = max_epochs - (trainer.current_epoch + 1)
+        if left > self.anneal_epochs:
+            return None
+        return (f"max_epochs={max_epochs}: the last {self.anneal_epochs} epoch(s) are reserved for the final anneal "
+                f"({left} left after epoch {trainer.current_epoch})")  # fmt: skip
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._network is None:
@@ -447,6 +466,9 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             probe_seconds=self.probe_seconds + (self._trials.seconds if self._trials is not None else 0.0),
             fit_seconds=time.perf_counter() - self._fit_start, no_check=no_check, measured_on=measured_on,
             outputs=guidance.output_lines(trainer, history_path=path, history_written=written),
+            phases=guidance.phase_line(growth_epochs=self.growth_epochs, final_epochs=self.final_epochs,
+                                       anneal_epochs=self.anneal_epochs, on_saturated=self.on_saturated,
+                                       epochs=trainer.current_epoch, schedule=self.schedule),
         ), soft_wrap=True)  # fmt: skip
 
     # -- one check -------------------------------------------------------------------------
@@ -476,13 +498,13 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         }  # fmt: skip
         if annealed:
             record["annealed"] = True
-        blocked = self._budget_reason()
+        blocked = self._budget_reason(trainer)
         report = None
         if blocked is not None:  # known before probing: save the probe
             action, reason, sites = "budget", blocked, []
         else:
             report, record["level"] = self._measure(trainer, pl_module, network)
-            ranked = dec.rank_sites(report, self.top_k)
+            ranked = rank_sites(report, self.top_k)
             block_params = {name: telemetry.count_params(report.record(name).block) for name in ranked}
             action, reason, sites = dec.decide_growth(
                 saturated=report.saturated, ranked=ranked, block_params=block_params, growths=self.growths,
@@ -491,11 +513,13 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             )  # fmt: skip
             if self.decision == "trial":
                 action, reason, sites = self._trial_decision(trainer, pl_module, network, report, record, depth, params)
+            elif self.decision == "window":
+                action, reason, sites = self._window_decision(trainer, pl_module, network, report, record, depth, params)
             elif self.decision == "gain":
                 losses, signatures, gain = self._last_growth_paid(trainer, pl_module, network, record["level"])
                 trial = gain is None and self.trial_growth and action == "saturated"
                 if gain is not None or trial:  # the realized gain decides (now or, for a trial, next check);
-                    best = dec.best_scored_site(report)  # the rule's best score only chooses the site
+                    best = best_scored_site(report)  # the rule's best score only chooses the site
                     if gain is not None:
                         record["gain"] = gain
                         saturated, why = gain["saturated"], gain["reason"]
@@ -528,7 +552,7 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         record.update(telemetry.check_record(report, action, reason, sites, network, self._depth(network),
                                              self.log_sites))  # fmt: skip
         if isinstance(record.get("verdicts"), dict):
-            for key in ("gain", "trial"):
+            for key in ("gain", "trial", "window"):
                 if key in record:
                     record["verdicts"][key] = record[key]
         self.history.append(telemetry.plain(record))
@@ -551,10 +575,25 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             max_params=self.max_params, reason=verdict.reason,
         )  # fmt: skip
 
+    def _window_decision(self, trainer, pl_module, network, report, record, depth, params):
+        """decision='window' (schedule='periodic'): grow at the best first-order site while the run's
+        probe loss still falls by a certified > min_gain over the last ``window`` epochs (window_check.py)."""
+        losses, signatures = self._probe_losses(trainer, pl_module, network)
+        verdict, record["window"] = self._window.decide(losses, signatures, epoch=trainer.current_epoch,
+                                                        level=record["level"], check=record["check"])  # fmt: skip
+        site = None if verdict.saturated else best_scored_site(report)
+        return dec.decide_growth(
+            saturated=verdict.saturated, ranked=[site] if site else [], growths=self.growths,
+            block_params={site: telemetry.count_params(report.record(site).block)} if site else {},
+            max_growths=self.max_growths, depth=depth, max_blocks=self.max_blocks, params=params,
+            max_params=self.max_params, reason=verdict.reason,
+        )  # fmt: skip
+
     def _finish(self, trainer: Trainer, why: str, reason: str, annealed: bool = False) -> None:
         """Growth has ended: stop, continue at this depth, or start the final anneal (unless the
         stage anneal before this check already annealed the final network)."""
         self.finished, self.stop_reason = why, reason
+        self.growth_epochs = trainer.current_epoch + 1  # epochs trained when growth ended (the summary's split)
         self.snapshot = None  # no later verdict can restore it: free the host copy (and the checkpoint's)
         if self.on_saturated == "anneal" and annealed:
             trainer.should_stop = True
@@ -582,7 +621,7 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         size = probe_size(loader) if self.rule != "paper" else None
         # min_gain's per-sample losses come from this pass's own forward on one process; under
         # DDP each rank sees only its shard, so _last_growth_paid scores the whole probe instead
-        self._pass_losses = [] if self.decision == "gain" and trainer.world_size == 1 else None
+        self._pass_losses = [] if self.decision in ("gain", "window") and trainer.world_size == 1 else None
         self._pass_probe = Fingerprinted(loader) if self._pass_losses is not None else None
         start = time.perf_counter()
         report = measure_saturation(
@@ -611,59 +650,20 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
 
     def _grow(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module, report: SaturationReport,
               sites: Sequence[str]) -> dict:  # fmt: skip
-        """Insert the scored candidates, verify the output, then reconfigure optimizer and DDP."""
-        device = next(network.parameters()).device
-        view = ProbeView(pl_module, network)
-        x = to_device(first_input(_Converted(self._probe_loader(trainer), trainer)), device)
-        before = eval_output(view, x)
-        log_len = len(network.growth_log)
-        inserted: list[nn.Module] = []
-        try:
-            for name in _insertion_order(sites):
-                inserted.append(network.grow(name, block=report.record(name).block))
-            fsdp.shard_like_neighbours(network, inserted, root=pl_module)  # FSDP2: sharded like the neighbours
-            after = eval_output(view, x)
-            change = float((after.float() - before.float()).abs().max()) if before.numel() else 0.0
-            tolerance = dec.insertion_tolerance(before.dtype, float(before.float().abs().max()) if before.numel() else 1.0)
-            if not math.isfinite(change) or change > tolerance or after.shape != before.shape:
-                raise FunctionChangedError(
-                    f"inserting blocks at {list(sites)} changed the network's output on a probe batch by "
-                    f"max|Δ|={change:.3g} > tolerance {tolerance:.3g} ({before.dtype}); the insertion was undone. "
-                    "A zero-output block must leave the function unchanged: check the family's zero_init_last() and "
-                    "that the site's input is in the block's identity regime (e.g. z ≥ 0 for 'basic' blocks)."
-                )
-        except BaseException:
-            network.undo_growth(inserted, log_len)  # the contract's rollback (resolve_network checked it)
-            fsdp.reinit_root(pl_module)  # FSDP2: the root forgets the removed units (no-op otherwise)
-            raise
-        fsdp.reshard_all(pl_module)  # FSDP2: the optimizer takes the sharded DTensor parameters
-        ks = list(range(log_len, log_len + len(inserted)))
-        blocks_in_k_order = [b for b in grown_blocks(network) if any(b is i for i in inserted)] or inserted
-        optimizer = self._optimizer_for(trainer, network)
-        if optimizer is not None:
-            reconfigure_optimizer(pl_module, optimizer, trainer.strategy.lr_scheduler_configs, blocks_in_k_order, ks)
-            if fsdp.is_sharded(pl_module):  # explicit zero state: a sharded checkpoint needs an entry per parameter
-                sharded.zero_state(optimizer, [p for b in inserted for p in b.parameters()])
-            if self.lr_schedule == "restart" and trainer.strategy.lr_scheduler_configs:
-                self.restart_pending = True
-        self._rewrap_ddp(trainer)
-        self.inserted += len(inserted)
+        """Insert the scored candidates (the network editor: editor.py), then start the new stage."""
+        x = first_input(_Converted(self._probe_loader(trainer), trainer))
+        done = editor.grow(trainer, pl_module, network, {name: report.record(name).block for name in sites}, x,
+                           rewrap=self._rewrap_ddp)
+        if done.pop("restart") and self.lr_schedule == "restart":
+            self.restart_pending = True
+        self.inserted += len(done["growth_index"])
         self.growths += 1
         self.cooldown_left = self.cooldown
         self.best, self.wait, self.stage_epochs = None, 0, 0
-        return {"max_abs_change": change, "tolerance": tolerance, "growth_index": ks}
+        return done
 
-    @staticmethod
-    def _optimizer_for(trainer: Trainer, network: nn.Module | None):
-        if network is None:
-            return None
-        ids = {id(p) for p in network.parameters()}
-        for opt in trainer.optimizers:
-            if any(id(p) in ids for g in opt.param_groups for p in g["params"]):
-                return opt
-        if trainer.optimizers:
-            rank_zero_warn("GrowUntilSaturated: no optimizer holds the network's parameters; new blocks were not added")
-        return None
+    _optimizer_for = staticmethod(editor.optimizer_for)
+    _rewrap_ddp = staticmethod(editor.rewrap_ddp)
 
     def _restart_schedules(self, trainer: Trainer, pl_module: LightningModule) -> None:
         optimizer = self._optimizer_for(trainer, self._network)
@@ -672,15 +672,6 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
                 pl_module, optimizer, trainer.strategy.lr_scheduler_configs
             )
         self.restart_pending = False
-
-    @staticmethod
-    def _rewrap_ddp(trainer: Trainer) -> None:
-        """DDP registers its gradient hooks at construction: wrap the grown module again (the DDP
-        constructor also broadcasts rank 0's parameters, aligning the new blocks)."""
-        strategy = trainer.strategy
-        if trainer.world_size > 1 and hasattr(strategy, "configure_ddp"):
-            strategy.model = strategy.lightning_module
-            strategy.configure_ddp()
 
     # -- telemetry -------------------------------------------------------------------------
     @staticmethod

@@ -18,15 +18,19 @@ from growtrain.decision import DEFAULT_MIN_GAIN, DEFAULT_RULE, DEFAULT_TAU, RULE
 from growtrain.reconfigure import LR_SCHEDULES as _SCHEDULER_MODES
 from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_HOLDOUT, DEFAULT_TRIAL_LR
 
-__all__ = ["GrowthConfig", "ON_SATURATED", "ALPHA_SPENDING", "MODES", "LR_SCHEDULES", "DECISIONS"]
+__all__ = ["GrowthConfig", "ON_SATURATED", "ALPHA_SPENDING", "MODES", "LR_SCHEDULES", "DECISIONS", "SCHEDULES"]
 
 ON_SATURATED = ("stop", "continue", "anneal")
 ALPHA_SPENDING = ("constant", "geometric", "inverse_square")  # growtrain.crossfit.alpha_schedule's names
 MODES = ("min", "max")
 # "trial": every check trains candidate blocks alone and grows iff one certifies min_gain (the default,
 # docs/decision.md); "gain": the first-order rule (or a trial growth) first, then the stage's realized gain;
-# "rule": the first-order rule alone.
-DECISIONS = ("trial", "gain", "rule")
+# "rule": the first-order rule alone; "window" (schedule="periodic"): the growing run's own paired gain
+# over the last `window` epochs (growtrain/window.py).
+DECISIONS = ("trial", "gain", "rule", "window")
+# When a check comes: "converged" (a stage plateaus, optionally annealed, then is judged: the paper's
+# protocol) or "periodic" (every every_n_epochs at the constant rate, one final anneal at the end).
+SCHEDULES = ("converged", "periodic")
 # "continue"/"restart": what the user's schedulers do after a growth; "anneal": the callback drives
 # the learning rate itself (constant per stage, a cosine anneal before each check, back up after a growth).
 LR_SCHEDULES = (*_SCHEDULER_MODES, "anneal")
@@ -62,7 +66,9 @@ class GrowthConfig:
     probe: DataLoader | Callable[[], Iterable] | None = None
     network: str | nn.Module | None = None
     loss_fn: Callable[[Any, Any], Any] | None = None
+    schedule: Literal["converged", "periodic"] = "converged"
     every_n_epochs: int | None = None  # None: 1 (given with a monitor: warned about, it has no effect)
+    window: int = 10  # schedule="periodic": the stop rule's window J, in epochs
     monitor: str | None = "train_loss"
     mode: Literal["min", "max"] = "min"
     patience: int = 3
@@ -80,7 +86,7 @@ class GrowthConfig:
     alpha_spending: Literal["constant", "geometric", "inverse_square"] = "constant"
     restore_best: bool = True
     trial_growth: bool = False
-    decision: Literal["trial", "gain", "rule"] | None = None
+    decision: Literal["trial", "gain", "rule", "window"] | None = None
     trial_epochs: float = DEFAULT_TRIAL_EPOCHS
     trial_lr: float = DEFAULT_TRIAL_LR
     trial_holdout: int = DEFAULT_TRIAL_HOLDOUT
@@ -109,13 +115,24 @@ class GrowthConfig:
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise _bad("loss_fn", "a callable (output, target) -> mean loss, or None", self.loss_fn,
                        "pass F.cross_entropy")  # fmt: skip
+        _choice("schedule", self.schedule, SCHEDULES)
+        periodic = self.schedule == "periodic"
         given_every = self.every_n_epochs is not None
         if not given_every:
             object.__setattr__(self, "every_n_epochs", 1)
         _int("every_n_epochs", self.every_n_epochs, 1)
+        _int("window", self.window, 1)
+        if periodic and self.window < self.every_n_epochs:
+            raise _bad("window", f"at least every_n_epochs={self.every_n_epochs} (the stop rule compares a check with "
+                       "one at least `window` epochs back)", self.window,
+                       f"pass window={3 * self.every_n_epochs} or more")  # fmt: skip
+        if periodic and self.lr_schedule == "anneal":
+            raise _bad("lr_schedule", "'continue' with schedule='periodic' (its checks come at the constant rate; "
+                       "the one anneal is the final phase, on_saturated='anneal')", self.lr_schedule,
+                       "drop lr_schedule, or pass schedule='converged'")  # fmt: skip
         if self.monitor is not None and not (isinstance(self.monitor, str) and self.monitor):
             raise _bad("monitor", "None or the name of a logged metric", self.monitor, "pass monitor='train_loss'")
-        if self.monitor is not None and given_every:
+        if self.monitor is not None and given_every and not periodic:  # periodic: the monitor is not used
             warnings.warn(f"GrowUntilSaturated: every_n_epochs={self.every_n_epochs} has no effect while monitor="
                           f"{self.monitor!r} is set: a check runs when the monitor plateaus, whatever the epoch. Fix: "
                           "pass monitor=None to check every every_n_epochs, or drop every_n_epochs.", UserWarning,
@@ -168,10 +185,19 @@ class GrowthConfig:
 
     def _check_decision(self) -> None:
         decision = self.decision
+        periodic = self.schedule == "periodic"
         if decision is None:  # min_gain=None asks for the first-order rule alone; trial_growth for the stage gain
-            decision = "rule" if self.min_gain is None else "gain" if self.trial_growth else "trial"
+            decision = ("rule" if self.min_gain is None else "gain" if self.trial_growth
+                        else "window" if periodic else "trial")  # fmt: skip
         _choice("decision", decision, DECISIONS)
-        if decision in ("trial", "gain") and self.min_gain is None:
+        if decision == "window" and not periodic:
+            raise _bad("decision", "'window' only with schedule='periodic' (it compares checks `window` epochs "
+                       "apart while the run grows at the constant rate)", decision,
+                       "pass schedule='periodic', or decision='trial'")  # fmt: skip
+        if periodic and decision == "gain":
+            raise _bad("decision", "'window', 'trial' or 'rule' with schedule='periodic' (a stage's realized gain "
+                       "needs a converged stage)", decision, "pass decision='window'")  # fmt: skip
+        if decision in ("trial", "gain", "window") and self.min_gain is None:
             raise _bad("decision", "min_gain set (the gain a block must certify)", f"{decision!r} with min_gain=None",
                        "pass min_gain=0.01, or decision='rule'")  # fmt: skip
         if decision == "trial" and self.trial_growth:

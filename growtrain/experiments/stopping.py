@@ -132,8 +132,13 @@ class StoppingResult:
 def _config_with(grow: GrowUntilSaturated, **changes) -> GrowthConfig:
     """``grow``'s options with ``changes``; ``every_n_epochs`` back to "not given" while a monitor
     decides (``replace`` re-validates, and a given one would be warned about as having no effect)."""
-    every = grow.config.every_n_epochs if grow.config.monitor is None else None
+    every = None if _monitor_decides(grow.config) else grow.config.every_n_epochs
     return replace(grow.config, every_n_epochs=every, **changes)
+
+
+def _monitor_decides(config: GrowthConfig) -> bool:
+    """Does a plateau of the monitor time the checks (the converged schedule with a monitor)?"""
+    return config.monitor is not None and config.schedule == "converged"
 
 
 def _grower_from(grow: GrowUntilSaturated, **changes) -> GrowUntilSaturated:
@@ -142,7 +147,7 @@ def _grower_from(grow: GrowUntilSaturated, **changes) -> GrowUntilSaturated:
     config = _config_with(grow, **changes)
     options = {name: getattr(config, name) for name in GrowthConfig.names()}
     # the config normalises a missing every_n_epochs to 1: pass "not given" again under a monitor
-    return GrowUntilSaturated(**options | {"every_n_epochs": options["every_n_epochs"] if grow.config.monitor is None else None})
+    return GrowUntilSaturated(**options | {"every_n_epochs": None if _monitor_decides(grow.config) else options["every_n_epochs"]})
 
 
 def _scratch_grower(grow: GrowUntilSaturated) -> GrowUntilSaturated:

@@ -1,0 +1,108 @@
+"""The network editor of ``GrowUntilSaturated``: insert blocks (function-preserving, verified,
+rolled back on failure), give them zero optimizer state, re-wrap DDP; find the network's optimizer.
+
+Functions over the trainer and the module; the callback keeps only its counters.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+
+from growtrain import decision as dec
+from growtrain import fsdp
+from growtrain.batches import to_device
+from growtrain.callbacks import sharded
+from growtrain.callbacks.probe_data import ProbeView, eval_output
+from growtrain.growable import grown_blocks
+from growtrain.reconfigure import reconfigure_optimizer
+
+__all__ = ["FunctionChangedError", "insertion_order", "grow", "optimizer_for", "rewrap_ddp"]
+
+
+class FunctionChangedError(RuntimeError):
+    """An inserted block changed the network's output: the insertion was rolled back."""
+
+
+def insertion_order(names: Sequence[str]) -> list[str]:
+    """Sites as ``stage.index`` names, deepest index first within a stage, so that inserting one
+    never shifts the index of a site not yet used."""
+
+    def key(name: str):
+        stage, _, index = name.rpartition(".")
+        return (stage, -int(index)) if index.isdigit() else (name, 0)
+
+    return sorted(names, key=key)
+
+
+def grow(trainer: Trainer, pl_module: LightningModule, network: nn.Module, blocks: Mapping[str, nn.Module],
+         probe_input: Any, rewrap: Callable[[Trainer], None] | None = None) -> dict:  # fmt: skip
+    """Insert ``blocks`` (site → zero-output candidate), check on ``probe_input`` that the output
+    is unchanged, then give the new parameters zero optimizer state and re-wrap DDP.
+
+    Returns ``max_abs_change``, ``tolerance``, ``growth_index`` (the growth log's indices) and
+    ``restart`` (the network's optimizer has schedulers a ``"restart"`` would restart). ``rewrap``:
+    what re-wraps DDP (the callback passes its own, so a test can replace it)."""
+    device = next(network.parameters()).device
+    view = ProbeView(pl_module, network)
+    x = to_device(probe_input, device)
+    before = eval_output(view, x)
+    log_len = len(network.growth_log)
+    sites = list(blocks)
+    inserted: list[nn.Module] = []
+    try:
+        for name in insertion_order(sites):
+            inserted.append(network.grow(name, block=blocks[name]))
+        fsdp.shard_like_neighbours(network, inserted, root=pl_module)  # FSDP2: sharded like the neighbours
+        after = eval_output(view, x)
+        change = float((after.float() - before.float()).abs().max()) if before.numel() else 0.0
+        tolerance = dec.insertion_tolerance(before.dtype, float(before.float().abs().max()) if before.numel() else 1.0)
+        if not math.isfinite(change) or change > tolerance or after.shape != before.shape:
+            raise FunctionChangedError(
+                f"inserting blocks at {sites} changed the network's output on a probe batch by "
+                f"max|Δ|={change:.3g} > tolerance {tolerance:.3g} ({before.dtype}); the insertion was undone. "
+                "A zero-output block must leave the function unchanged: check the family's zero_init_last() and "
+                "that the site's input is in the block's identity regime (e.g. z ≥ 0 for 'basic' blocks)."
+            )
+    except BaseException:
+        network.undo_growth(inserted, log_len)  # the contract's rollback (resolve_network checked it)
+        fsdp.reinit_root(pl_module)  # FSDP2: the root forgets the removed units (no-op otherwise)
+        raise
+    fsdp.reshard_all(pl_module)  # FSDP2: the optimizer takes the sharded DTensor parameters
+    ks = list(range(log_len, log_len + len(inserted)))
+    blocks_in_k_order = [b for b in grown_blocks(network) if any(b is i for i in inserted)] or inserted
+    optimizer = optimizer_for(trainer, network)
+    restart = False
+    if optimizer is not None:
+        reconfigure_optimizer(pl_module, optimizer, trainer.strategy.lr_scheduler_configs, blocks_in_k_order, ks)
+        if fsdp.is_sharded(pl_module):  # explicit zero state: a sharded checkpoint needs an entry per parameter
+            sharded.zero_state(optimizer, [p for b in inserted for p in b.parameters()])
+        restart = bool(trainer.strategy.lr_scheduler_configs)
+    (rewrap or rewrap_ddp)(trainer)
+    return {"max_abs_change": change, "tolerance": tolerance, "growth_index": ks, "restart": restart}
+
+
+def optimizer_for(trainer: Trainer, network: nn.Module | None):
+    """The optimizer holding the network's parameters (matched by identity), or ``None``."""
+    if network is None:
+        return None
+    ids = {id(p) for p in network.parameters()}
+    for opt in trainer.optimizers:
+        if any(id(p) in ids for g in opt.param_groups for p in g["params"]):
+            return opt
+    if trainer.optimizers:
+        rank_zero_warn("GrowUntilSaturated: no optimizer holds the network's parameters; new blocks were not added")
+    return None
+
+
+def rewrap_ddp(trainer: Trainer) -> None:
+    """DDP registers its gradient hooks at construction: wrap the grown module again (the DDP
+    constructor also broadcasts rank 0's parameters, aligning the new blocks)."""
+    strategy = trainer.strategy
+    if trainer.world_size > 1 and hasattr(strategy, "configure_ddp"):
+        strategy.model = strategy.lightning_module
+        strategy.configure_ddp()

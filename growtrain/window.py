@@ -1,0 +1,75 @@
+"""The window rule of the periodic schedule: has the growing run itself stopped paying?
+
+Under ``schedule="periodic"`` the network grows every ``every_n_epochs`` (K) at the module's
+constant rate, before it has converged (AutoGrow's protocol, docs/decision.md). What stops the
+growth is not one block's value but the run's: every check keeps the probe's per-sample losses,
+and the verdict pairs them, sample by sample, with those of the latest check at least ``window``
+(J ≫ K) epochs earlier. Growth goes on while the held-out probe loss fell over that window by a
+certified (one-sided bootstrap-t lower bound at level α) more than ``min_gain`` of it; otherwise
+it ends: "certified saturation" (``Verdict.certified``) only when the upper bound is below
+``min_gain`` too, else "no certified gain".
+
+Pure tensor functions: no Lightning, no callback state.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from growtrain.decision import Verdict
+from growtrain.trial import trial_test
+
+__all__ = ["window_reference", "window_prune", "window_test", "window_verdict"]
+
+
+def window_reference(entries: Sequence[dict], epoch: int, window: int) -> dict | None:
+    """The latest kept check at least ``window`` epochs before ``epoch`` (``None``: the window is
+    not full yet). ``entries``: ``{"epoch", "losses", "signature"}`` dicts in check order."""
+    older = [e for e in entries if int(e["epoch"]) <= epoch - window]
+    return older[-1] if older else None
+
+
+def window_prune(entries: Sequence[dict], epoch: int, window: int) -> list[dict]:
+    """Drop the entries no later check can use: a later check's reference is at least as recent
+    as this one's, so everything before today's reference goes (bounded memory on long fits)."""
+    reference = window_reference(entries, epoch, window)
+    if reference is None:
+        return list(entries)
+    index = max(i for i, e in enumerate(entries) if e is reference)
+    return list(entries[index:])
+
+
+def window_test(before: torch.Tensor, after: torch.Tensor, *, min_gain: float, level: float, seed: int = 0) -> dict:
+    """The window's paired gain ``b − a`` per probe sample with one-sided ``1 − level`` bounds,
+    as fractions of the loss at the window's start (``lower_frac``, ``gain_frac``, ``upper_frac``;
+    growtrain.trial.trial_test: the same bootstrap-t as the block-only trial)."""
+    return trial_test(before, after, min_gain=min_gain, level=level, seed=seed)
+
+
+def window_verdict(test: dict | None, *, window: int, epoch: int, reference_epoch: int | None,
+                   min_gain: float) -> Verdict:  # fmt: skip
+    """Grow (``saturated=False``) while the window is not full or its certified gain beats
+    ``min_gain``; otherwise end growth. ``certified`` (and "certified saturation" in the reason)
+    only when the window's upper bound is below ``min_gain`` too; else "no certified gain", with
+    the probe's resolution: a gain above ``min_gain`` was not ruled out."""
+    if test is None:
+        return Verdict("window", False, None, float("nan"), min_gain,
+                       f"grow: the {window}-epoch window is not full yet (epoch {epoch}); the run grows every check "
+                       "until the probe loss can be compared with a check at least that far back")  # fmt: skip
+    span = f"from epoch {reference_epoch} to {epoch}"
+    level = test["level"]
+    what = (f"the probe loss fell {span} by {100 * test['gain_frac']:.2f} % (at least {100 * test['lower_frac']:.2f} %, "
+            f"at most {100 * test['upper_frac']:.2f} %, {100 * (1 - level):.1f} % bounds, n={test['n']})")  # fmt: skip
+    if test["lower_frac"] > min_gain:
+        return Verdict("window", False, None, test["lower_frac"], min_gain,
+                       f"grow: the growing run still pays: {what} > min_gain {100 * min_gain:.2f} %")  # fmt: skip
+    if test["upper_frac"] < min_gain:
+        return Verdict("window", True, None, test["lower_frac"], min_gain,
+                       f"certified saturation: {what}: below min_gain {100 * min_gain:.2f} % over {window} epochs of "
+                       "growing", certified=True)  # fmt: skip
+    half = 100 * (test["upper_frac"] - test["lower_frac"]) / 2
+    return Verdict("window", True, None, test["lower_frac"], min_gain,
+                   f"no certified gain over the last {window} epochs: {what}: not above min_gain "
+                   f"{100 * min_gain:.2f} %; this probe resolves the window's gain to about ±{half:.2f} % of the loss")  # fmt: skip

@@ -1,0 +1,233 @@
+"""The periodic schedule (``schedule="periodic"``): a check every K epochs at the constant rate,
+the window rule that ends growth when the growing run stops paying, and the final anneal reserved
+inside ``max_epochs`` (growtrain/window.py, growtrain/callbacks/window_check.py)."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+
+from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks.window_check import WindowRule
+from growtrain.data import ImageDataModule
+from growtrain.module import ImageClassifier
+from growtrain.window import window_prune, window_reference, window_test, window_verdict
+
+
+def entries(*epochs):
+    return [{"epoch": e, "losses": [1.0, 2.0], "signature": [0.0, 1.0]} for e in epochs]
+
+
+def test_the_reference_is_the_latest_check_at_least_a_window_back():
+    kept = entries(1, 3, 5, 7)
+    assert window_reference(kept, 7, 6) is kept[0]
+    assert window_reference(kept, 9, 6) is kept[1]  # epoch 3 = 9 − 6
+    assert window_reference(kept, 10, 6) is kept[1]  # epoch 4 was never checked: the latest before it
+    assert window_reference(kept, 6, 6) is None  # not full yet
+    # pruning keeps today's reference and everything after it; a later check can use no earlier one
+    assert [e["epoch"] for e in window_prune(kept, 10, 6)] == [3, 5, 7]
+    assert [e["epoch"] for e in window_prune(kept, 6, 6)] == [1, 3, 5, 7]
+
+
+def test_the_window_test_is_the_paired_gain_as_a_fraction_of_the_loss():
+    g = torch.Generator().manual_seed(0)
+    before = torch.distributions.Exponential(torch.tensor(2.0)).sample((500,)).double()
+    after = before * 0.9 + 0.01 * torch.rand(500, generator=g, dtype=torch.float64)
+    test = window_test(before, after, min_gain=0.01, level=0.05, seed=3)
+    independent = float((before.mean() - after.mean()) / before.mean())
+    assert test["gain_frac"] == pytest.approx(independent, rel=1e-12)
+    assert test["lower_frac"] < test["gain_frac"] < test["upper_frac"]
+    se = float((before - after).std() / math.sqrt(500) / before.mean())
+    assert test["gain_frac"] - test["lower_frac"] == pytest.approx(1.645 * se, rel=0.25)  # a one-sided 95 % bound
+
+
+@pytest.mark.parametrize("lower, upper, words", [
+    (0.05, 0.09, "grow: the growing run still pays"),
+    (-0.02, 0.005, "certified saturation"),
+    (-0.02, 0.03, "no certified gain over the last 6 epochs"),
+])  # fmt: skip
+def test_the_verdict_says_what_it_certified(lower, upper, words):
+    test = {"lower_frac": lower, "upper_frac": upper, "gain_frac": (lower + upper) / 2, "level": 0.05, "n": 100}
+    verdict = window_verdict(test, window=6, epoch=9, reference_epoch=3, min_gain=0.01)
+    assert words in verdict.reason and verdict.saturated is (lower <= 0.01)
+    if "no certified gain" in words:
+        assert "certified saturation" not in verdict.reason and "±" in verdict.reason
+    first = window_verdict(None, window=6, epoch=1, reference_epoch=None, min_gain=0.01)
+    assert not first.saturated and "not full yet" in first.reason
+
+
+def _skewed_window(n, gain, g):
+    """Per-sample losses of a window whose true mean gain is exactly ``gain`` of the loss: skewed
+    (log-normal, as per-sample cross-entropy is), paired with heavy-tailed noise."""
+    before = torch.exp(torch.randn(n, generator=g, dtype=torch.float64) * 1.2) * 0.3
+    noise = torch.exp(torch.randn(n, generator=g, dtype=torch.float64)) - math.exp(0.5)  # mean 0, skewed
+    return before, before * (1 - gain) + 0.05 * noise
+
+
+def test_the_window_rule_grows_wrongly_at_most_alpha_of_the_time_on_skewed_losses():
+    """At a true window gain of exactly min_gain, "grow" is an error: through the rule's own code
+    path it happens at most ~α of the time; a broken rule that forgets the margin (min_gain=0
+    in the test) grows almost always, so the check has teeth."""
+    g = torch.Generator().manual_seed(1)
+    rule_grows = broken_grows = 0
+    reps, min_gain = 300, 0.02
+    for rep in range(reps):
+        before, after = _skewed_window(400, min_gain, g)
+        rule = WindowRule(window=2, min_gain=min_gain, seed=rep)
+        sig = torch.arange(400, dtype=torch.float64)
+        rule.decide(before, sig, epoch=0, level=0.05, check=0)
+        verdict, _ = rule.decide(after, sig, epoch=2, level=0.05, check=1)
+        rule_grows += not verdict.saturated
+        broken = window_test(before, after, min_gain=0.0, level=0.05, seed=rep)
+        broken_grows += broken["lower_frac"] > 0.0
+    assert rule_grows / reps <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / reps)
+    assert broken_grows / reps > 0.5
+
+
+def test_the_window_rule_pairs_the_right_check_and_refuses_another_probe():
+    rule = WindowRule(window=4, min_gain=0.01)
+    sig = torch.arange(6, dtype=torch.float64)
+    losses = {1: torch.full((6,), 2.0), 3: torch.full((6,), 1.5), 5: torch.full((6,), 1.0)}
+    for epoch, loss in losses.items():
+        loss = loss + 0.01 * torch.arange(6)
+        verdict, record = rule.decide(loss.double(), sig, epoch=epoch, level=0.05, check=epoch)
+    assert record["reference_epoch"] == 1  # 5 − 4
+    expected = ((losses[1] - losses[5]).mean() / (losses[1] + 0.01 * torch.arange(6)).mean()).item()
+    assert record["gain_frac"] == pytest.approx(expected)
+    state = rule.state_dict()  # the kept losses travel in the checkpoint
+    again = WindowRule(window=4, min_gain=0.01)
+    again.load_state_dict(state)
+    assert [e["epoch"] for e in again.entries] == [e["epoch"] for e in rule.entries] == [1, 3, 5]
+    with pytest.raises(ValueError, match="pairs every probe sample"):
+        again.decide(torch.ones(6, dtype=torch.float64), sig + 1, epoch=7, level=0.05, check=7)
+
+
+@pytest.mark.parametrize("kw, arg", [
+    ({"schedule": "weekly"}, "schedule"),
+    ({"schedule": "periodic", "every_n_epochs": 4, "window": 2}, "window"),
+    ({"schedule": "periodic", "window": 0}, "window"),
+    ({"schedule": "periodic", "lr_schedule": "anneal"}, "lr_schedule"),
+    ({"decision": "window"}, "decision"),
+    ({"schedule": "periodic", "decision": "gain"}, "decision"),
+    ({"schedule": "periodic", "decision": "window", "min_gain": None}, "decision"),
+])  # fmt: skip
+def test_bad_periodic_options_are_refused_naming_the_argument(kw, arg):
+    with pytest.raises(ValueError, match=rf"^{arg}: expected .*Fix: "):
+        GrowUntilSaturated(**kw)
+
+
+def test_the_periodic_schedule_decides_by_the_window_by_default():
+    assert GrowUntilSaturated(schedule="periodic").decision == "window"
+    assert GrowUntilSaturated().decision == "trial"  # the converged schedule keeps its default
+
+
+class LrLog(L.Callback):
+    def __init__(self):
+        self.lrs = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def tiny_dm() -> ImageDataModule:
+    return ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=400, synthetic_classes=4, probe_size=120,
+                           val_size=40, batch_size=32, augment=False)  # fmt: skip
+
+
+def periodic_fit(tmp_path, max_epochs=9, **kw):
+    L.seed_everything(0)
+    kw = {"every_n_epochs": 1, "window": 2, "min_gain": 0.01, "anneal_epochs": 3, "on_saturated": "anneal"} | kw
+    grow = GrowUntilSaturated(schedule="periodic", verbose=False, **kw)
+    lr = LrLog()
+    trainer = L.Trainer(max_epochs=max_epochs, callbacks=[grow, lr], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                        default_root_dir=tmp_path)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))  # fmt: skip
+    trainer.fit(model, tiny_dm())
+    return grow, model, trainer, lr
+
+
+@pytest.fixture
+def always_pays(monkeypatch):
+    """The window's verdict forced to "grow" (its figures still computed): growth then goes on
+    until the final phase's reservation ends it."""
+    from dataclasses import replace
+
+    from growtrain.callbacks import window_check
+
+    real = window_check.window_verdict
+    monkeypatch.setattr(window_check, "window_verdict", lambda *a, **k: replace(real(*a, **k), saturated=False))
+
+
+def test_a_periodic_fit_checks_every_k_epochs_at_the_constant_rate_then_anneals_once(tmp_path, always_pays):
+    grow, model, trainer, lr = periodic_fit(tmp_path, max_epochs=11, every_n_epochs=2, window=4)
+    epochs = [h["epoch"] for h in grow.history]
+    assert epochs == [1, 3, 5, 7]  # every 2 epochs; the last 3 of 11 are the final anneal's
+    assert [h["action"] for h in grow.history] == ["grow", "grow", "grow", "budget"]
+    assert "not full yet" in grow.history[0]["window"]["reason"]  # epochs 1, 3 have no check 4 epochs back
+    assert grow.history[2]["window"]["reference_epoch"] == 1
+    assert "reserved for the final anneal" in grow.history[-1]["reason"]
+    assert model.network.depth() == 6
+    assert lr.lrs[:8] == [0.1] * 8  # the constant rate while growing: no anneal before a check
+    cosine = [0.1 * 0.5 * (1 + math.cos(math.pi * (k + 1) / 4)) for k in range(3)]
+    assert lr.lrs[8:] == pytest.approx(cosine)  # one final anneal, complete inside max_epochs
+    assert trainer.current_epoch == 11 and grow.growth_epochs == 8 and grow.final_epochs == 3
+
+
+def test_the_window_ends_growth_and_the_final_anneal_follows_at_once(tmp_path):
+    grow, model, trainer, lr = periodic_fit(tmp_path, max_epochs=12, min_gain=10.0)  # no window can pay 1000 %
+    actions = [h["action"] for h in grow.history]
+    assert actions == ["grow", "grow", "saturated"]  # epochs 0, 1 have no check 2 epochs back; epoch 2 does
+    assert grow.history[-1]["window"]["reference_epoch"] == 0
+    assert model.network.depth() == 5 and grow.growth_epochs == 3
+    assert trainer.current_epoch == 6 and grow.final_epochs == 3  # stopped after the anneal, not at max_epochs
+
+
+def test_the_window_state_survives_the_callbacks_checkpoint(tmp_path, always_pays):
+    grow, *_ = periodic_fit(tmp_path, max_epochs=8)
+    state = grow.state_dict()
+    # checks at epochs 0-3 (epoch 4 is the reservation's budget check): epoch 3's reference (1) onwards
+    assert [e["epoch"] for e in state["window"]["entries"]] == [1, 2, 3]
+    fresh = GrowUntilSaturated(schedule="periodic", every_n_epochs=1, window=2)
+    fresh.load_state_dict(state)
+    assert fresh._window.entries == grow._window.entries
+    assert fresh.growth_epochs == grow.growth_epochs == 5
+
+
+def test_the_converged_schedule_also_reserves_the_final_anneal(tmp_path):
+    """A stage that never plateaus (patience longer than the fit): the budget ends growth in time
+    for the final anneal instead of the fit ending mid-stage."""
+    L.seed_everything(0)
+    grow = GrowUntilSaturated(patience=50, anneal_epochs=2, on_saturated="anneal", verbose=False)
+    lr = LrLog()
+    trainer = L.Trainer(max_epochs=6, callbacks=[grow, lr], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                        default_root_dir=tmp_path)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1))  # fmt: skip
+    trainer.fit(model, tiny_dm())
+    assert [h["action"] for h in grow.history] == ["budget"] and grow.history[0]["epoch"] == 3
+    assert lr.lrs[4:] == pytest.approx([0.1 * 0.5 * (1 + math.cos(math.pi * (k + 1) / 3)) for k in range(2)])
+
+
+def test_the_window_rule_is_scale_free_a_loss_times_ten_decides_alike():
+    """The loss × 10 control: the same per-sample losses in other units give the same verdict and
+    the same fractions (both sides of every comparison scale with the loss); a rule on absolute
+    differences (min_gain as nats) would not."""
+    g = torch.Generator().manual_seed(5)
+    sig = torch.arange(300, dtype=torch.float64)
+    before, after = _skewed_window(300, 0.012, g)
+    out = []
+    for scale in (1.0, 10.0):
+        rule = WindowRule(window=2, min_gain=0.01, seed=4)
+        rule.decide(scale * before, sig, epoch=0, level=0.05, check=0)
+        out.append(rule.decide(scale * after, sig, epoch=2, level=0.05, check=1))
+    (v1, r1), (v10, r10) = out
+    assert v1.saturated == v10.saturated
+    for key in ("gain_frac", "lower_frac", "upper_frac"):
+        assert r1[key] == pytest.approx(r10[key], rel=1e-9, abs=1e-12)
+    assert r10["loss_now"] == pytest.approx(10 * r1["loss_now"])
