@@ -37,6 +37,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from growtrain.data import ImageDataModule
 from growtrain.module import ImageClassifier
 from growtrain.quiet import quiet_upstream_noise
+from growtrain.resume import CLI_ARGV_ATTRIBUTE
 from growtrain.trainer import EXPERIMENTS, GrowTrainer
 
 __all__ = ["GrowtrainCLI", "main"]
@@ -120,7 +121,10 @@ class GrowtrainCLI(LightningCLI):
         parser_kwargs.setdefault("fit", {}).setdefault("description", FIT_DESCRIPTION)
         kwargs["parser_kwargs"] = parser_kwargs
         given = kwargs.get("args", args[0] if args else None)
-        self._config_files = tuple(_config_files(sys.argv[1:] if given is None else given))
+        argv = sys.argv[1:] if given is None else given
+        self._config_files = tuple(_config_files(argv))
+        # the command line as given, for the command that resumes an interrupted fit (growtrain.resume)
+        self._argv = [str(a) for a in argv] if isinstance(argv, (list, tuple)) else None
         super().__init__(*args, **kwargs)
 
     def instantiate_classes(self) -> None:
@@ -134,6 +138,8 @@ class GrowtrainCLI(LightningCLI):
                 raise
             root._growtrain_config_error = True  # type: ignore[attr-defined]
             raise root from None
+        if self._argv is not None:
+            setattr(self.trainer, CLI_ARGV_ATTRIBUTE, list(self._argv))
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 
-__all__ = ["plot_gamma_trace", "plot_sweep", "plot_stopping", "grew"]
+__all__ = ["plot_gamma_trace", "plot_sweep", "plot_stopping", "grew", "outcome"]
 
 
 def grew(record: dict) -> bool:
@@ -21,6 +21,19 @@ def grew(record: dict) -> bool:
     if "action" in record:
         return record["action"] == "grow"
     return record.get("site") is not None and not record.get("saturated", False)
+
+
+def outcome(record: dict) -> str:
+    """What a check did, in words that claim no more than its verdict certified: ``"grow"``,
+    ``"budget"``, ``"certified saturation"`` (the record's ``certified``: an upper bound on one more
+    block's gain below the margin) or ``"no certified gain"`` (growth ended on a lower bound that did
+    not clear the margin: a gain above it was not ruled out). The record's ``action`` stays the code
+    value ``"saturated"`` for both stops; every text a user reads (the check's header, the
+    end-of-fit summary, this module's figure) says it with these words instead."""
+    action = record.get("action")
+    if action == "saturated":
+        return "certified saturation" if record.get("certified") else "no certified gain"
+    return str(action)
 
 
 def _figure(size=(7.0, 4.0)):
@@ -62,7 +75,7 @@ def _best_trial(trial: dict) -> dict | None:
 
 
 def _stop_record(history: Sequence[dict]) -> dict | None:
-    """The check that ended growth (saturated, or a budget), if one did."""
+    """The check that ended growth (its verdict, or a budget), if one did."""
     return next((h for h in reversed(history) if h.get("action") in ("saturated", "budget")), None)
 
 
@@ -90,7 +103,9 @@ def _final_text(history: Sequence[dict], final: dict | None) -> str:
         parts.append("Growth had not ended when the fit stopped (max_epochs or another callback).")
     else:
         where = f" at epoch {stop['epoch']}" if stop is not None and stop.get("epoch") is not None else ""
-        parts.append(f"Growth stopped{where} ({(stop or {}).get('action') or final.get('finished')}): {reason}")
+        # without the stop's record there is no ``certified`` to read: outcome() then claims no certification
+        words = outcome(stop if stop is not None else {"action": final.get("finished")})
+        parts.append(f"Growth stopped{where} ({words}): {reason}")
     lines = [line for part in parts for line in textwrap.wrap(part, 150)]
     return "\n".join(lines if len(lines) <= 5 else lines[:4] + [lines[4][:146] + " …"])
 
@@ -211,7 +226,7 @@ def _mark_events(axes, history: Sequence[dict], xkey: str) -> None:
             first.annotate(text, (h[xkey], 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top",
                            ha="right", fontsize=7, color=color)  # fmt: skip
         if h is stop:
-            first.annotate(f"stop: {h['action']}", (h[xkey], 0.0), xycoords=("data", "axes fraction"), rotation=90,
+            first.annotate(f"stop: {outcome(h)}", (h[xkey], 0.0), xycoords=("data", "axes fraction"), rotation=90,
                            va="bottom", ha="left", fontsize=7, color="k")  # fmt: skip
     first.axvline(float("nan"), color="C3", lw=0.8, label="block inserted")  # legend entries only
     if any(h.get("restored") for h in history):

@@ -17,21 +17,88 @@ refused by the experiment methods. Sibling trainers and ``evaluate`` live in
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
+import warnings
 from pathlib import Path
-from typing import Literal, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import SaveConfigCallback
 
+from growtrain.callbacks import growth_callbacks
 from growtrain.decision import DEFAULT_TAU
 from growtrain.experiments import run_compare, run_match, run_measure, run_stopping, run_sweep
 from growtrain.experiments._training import BaseGrowTrainer
+from growtrain.experiments.measure import check_split
+from growtrain.experiments.runs import prepare, read_checkpoint
 
 __all__ = ["EXPERIMENTS", "GrowTrainer"]
 
 # GrowTrainer methods that the CLI exposes as subcommands (``growtrain compare --config …``).
 EXPERIMENTS = ("compare", "measure", "sweep", "match", "stopping")
+
+
+# Files a failed run may have written before it did anything: the CLI's copy of its config and the
+# logger's hyper-parameters. A folder holding only these (and no step trained) is a run that never ran.
+SETUP_FILES = frozenset({"config.yaml", "hparams.yaml"})
+
+
+def remove_unwritten_log_dirs(trainer: Any, setup_files: frozenset = SETUP_FILES) -> list[str]:
+    """After a failed ``fit|validate|test|predict``: remove each logger's ``version_N/`` folder when
+    the run wrote nothing there (at most ``setup_files``, before any training step), then the
+    logger's own folder (``lightning_logs/``) when that is left empty. Returns the folders removed.
+    ``os.rmdir`` removes only empty folders, so a folder another process has just written to stays
+    (and an error here never hides the run's own)."""
+    removed = []
+    for logger in getattr(trainer, "loggers", []) or []:
+        try:
+            log_dir = logger.log_dir if getattr(logger, "_experiment", True) is not None else None
+        except Exception:  # a logger that cannot say where it writes: nothing to tidy
+            continue
+        if not (isinstance(log_dir, str) and os.path.isdir(log_dir)):
+            continue
+        try:
+            names = set(os.listdir(log_dir))
+            if names and not (names <= setup_files and getattr(trainer, "global_step", 1) == 0):
+                continue
+            for name in names:
+                os.remove(os.path.join(log_dir, name))
+            os.rmdir(log_dir)
+        except OSError:  # a file that is a folder, a permission: left as it is
+            continue
+        removed.append(log_dir)
+        parent = os.path.dirname(log_dir)
+        if os.path.basename(parent) == getattr(logger, "name", None):  # lightning_logs/, if now empty
+            try:
+                os.rmdir(parent)
+                removed.append(parent)
+            except OSError:
+                pass
+    return removed
+
+
+def _tidy_on_failure(method: Callable) -> Callable:
+    """``method`` (a Trainer entry point) with :func:`remove_unwritten_log_dirs` on failure; its
+    signature and docstring kept (``functools.wraps``) for LightningCLI and ``help()``. A run
+    given a ``ckpt_path`` may write on into an earlier run's folder (``growtrain.resume``): there
+    only an empty folder goes, never an earlier run's config.yaml or hparams.yaml."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            try:
+                resumed = signature.bind(self, *args, **kwargs).arguments.get("ckpt_path") is not None
+            except TypeError:  # the call itself was wrong: Lightning's error says so, nothing was written
+                resumed = False
+            remove_unwritten_log_dirs(self, frozenset() if resumed else SETUP_FILES)
+            raise
+
+    return run
 
 
 # -- the trainer ---------------------------------------------------------------------------------
@@ -43,6 +110,17 @@ class GrowTrainer(BaseGrowTrainer):
     ``GrowUntilSaturated`` callback is configured, a :class:`growtrain.callbacks.GammaTracePlot`
     is added so ``fit`` also writes ``gamma_trace.png`` next to the logs.
     """
+
+    # -- Lightning's entry points: a run that fails before writing anything leaves no folder ------
+    # The loggers create their version_N/ folder in the setup hook, before the datamodule loads its
+    # files: a missing data root would otherwise leave an empty version_N/ behind, which looks like
+    # a run. Only a folder holding nothing (or only the config the CLI saved and the
+    # hyper-parameters, with no step trained) is removed; a run that wrote anything else keeps it.
+    # (wrapped, not overridden: LightningCLI reads each subcommand's arguments from the signature)
+    fit = _tidy_on_failure(BaseGrowTrainer.fit)
+    validate = _tidy_on_failure(BaseGrowTrainer.validate)
+    test = _tidy_on_failure(BaseGrowTrainer.test)
+    predict = _tidy_on_failure(BaseGrowTrainer.predict)
 
     # -- helpers --------------------------------------------------------------------------
     def _experiment_dir(self, name: str, output_dir: str | None, result: str | None = None) -> Path:
@@ -168,6 +246,7 @@ class GrowTrainer(BaseGrowTrainer):
         projected: bool = True,
         seed: int = 0,
         output_dir: Optional[str] = None,
+        allow_other_split: bool = False,
     ):
         """Per-site saturation report of a trained model on its probe split.
 
@@ -184,15 +263,34 @@ class GrowTrainer(BaseGrowTrainer):
             projected: also compute V_S (Gram matrices) and the realisability ratio V_S/AG. On
                 by default here, unlike the decision paths (the callback, ``sweep``): a report of
                 V_S is what ``measure`` is for.
-            seed: seed of the candidate blocks' feature weights.
+            seed: seed of the candidate blocks' feature weights. The fit's check ``k`` drew its
+                candidates with ``GrowUntilSaturated``'s ``seed·1000 + k``; the report says which
+                seed reproduces its last check, and every other reason its figures can differ.
             output_dir: where measure.json/.md go; default ``<default_root_dir>/measure``.
+            allow_other_split: measure on the config's data split even where it differs from the
+                one the checkpoint was trained with (seed, probe_size, val_size, train_subset,
+                dataset). Off: that is an error, since the probe of another split can hold images
+                the network trained on; on: a warning, and the report says its figures are not held-out.
         """
+        if ckpt_path is not None:  # refused before the output folder is made: a failed measure leaves none
+            try:
+                check_split(datamodule, read_checkpoint(ckpt_path, mmap=True), ckpt_path, allow_other_split)
+            except ValueError as error:  # the config's values: one `error:` line from growtrain.cli.main
+                error._growtrain_config_error = True  # type: ignore[attr-defined]
+                raise
+        prepare(datamodule, "measure")  # a data error, too, comes before the folder (run_measure reuses the load)
         out = self._experiment_dir("measure", output_dir, result="measure.json")
         model.to(self.strategy.root_device)
-        result = run_measure(
-            model, datamodule, ckpt_path=ckpt_path, delta=delta, alpha=alpha, t=t, rule=rule, tau=tau,
-            projected=projected, seed=seed, output_dir=out,
-        )  # fmt: skip
+        growers = growth_callbacks(self.callbacks)  # the configured callback drew the fit's candidates
+        fit_growth = {"seed": getattr(growers[0], "seed", None), "calibrate": getattr(growers[0], "calibrate", None),
+                      "precision": str(self.precision)} if growers else None  # fmt: skip
+        with warnings.catch_warnings():  # the split warning was given above, once
+            warnings.filterwarnings("ignore", message="allow_other_split: ", category=UserWarning)
+            result = run_measure(
+                model, datamodule, ckpt_path=ckpt_path, delta=delta, alpha=alpha, t=t, rule=rule, tau=tau,
+                projected=projected, seed=seed, output_dir=out, allow_other_split=allow_other_split,
+                fit_growth=fit_growth,
+            )  # fmt: skip
         self._show(result.table())
         self._wrote("measure", out)
         return result

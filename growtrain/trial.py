@@ -16,7 +16,8 @@ rest of the network does not move), and the stage's own training is not credited
 * :func:`trial_test` — the paired, one-sided bootstrap-t bounds (``growtrain.gain``) on the
   trial's gain: ``lower`` (grow iff it exceeds ``min_gain`` × the loss) and ``upper``.
 * :func:`trial_verdict` — the decision over the sites tried (Bonferroni inside the check), with
-  the sentence that says what was certified.
+  the sentence that says what was certified and ``certified`` (:func:`trial_certified`): a stop
+  is certified saturation only when every tried block's upper bound is below ``min_gain``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from growtrain.decision import Verdict
 from growtrain.gain import gain_lower_bound, gain_test
 
 __all__ = ["DEFAULT_TRIAL_EPOCHS", "DEFAULT_TRIAL_LR", "DEFAULT_TRIAL_HOLDOUT", "train_block", "trial_test",
-           "trial_verdict", "label_entropy", "constant_prediction_loss", "at_chance"]  # fmt: skip
+           "trial_certified", "trial_verdict", "label_entropy", "constant_prediction_loss", "at_chance"]  # fmt: skip
 
 # Chosen by the decision study (docs/decision.md): half an epoch of Adam at 1e-3 per site.
 DEFAULT_TRIAL_EPOCHS = 0.5
@@ -63,6 +64,7 @@ def train_block(
     lr: float = DEFAULT_TRIAL_LR,
     sync_grads: Callable[[Sequence[torch.Tensor]], None] | None = None,
     any_rank: Callable[[bool], bool] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict:
     """Train ``block`` (already inserted in ``module``) alone for ``steps`` batches.
 
@@ -71,7 +73,9 @@ def train_block(
     is the model's forward (input to output), ``loss_fn(output, target)`` its mean batch loss.
     ``sync_grads`` averages the block's gradients across processes (DDP), so every rank trains
     the same block; ``any_rank(flag)`` tells whether any process saw a non-finite loss, so every
-    rank stops at the same step. Returns ``steps`` done, ``diverged`` (a non-finite loss or parameter: the
+    rank stops at the same step. ``progress(done, steps)`` is told after every optimizer step (the
+    callback's progress bar: a trial is seconds of training after the epoch's bar has finished).
+    Returns ``steps`` done, ``diverged`` (a non-finite loss or parameter: the
     trial is then a failed trial), and the first and last batch losses."""
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps: expected an integer >= 1 (optimizer steps of the trial), got {steps!r}")
@@ -106,6 +110,8 @@ def train_block(
                 sync_grads([p.grad for p in params if p.grad is not None])
             optimizer.step()
             done += 1
+            if progress is not None:
+                progress(done, steps)
         if not diverged:
             diverged = not all(bool(torch.isfinite(p.detach()).all()) for p in params)
     finally:
@@ -164,19 +170,32 @@ def at_chance(loss: float, reference: float | None, margin: float = 0.1) -> bool
     return reference is not None and reference > 0 and loss >= (1.0 - margin) * reference
 
 
+def trial_certified(trials: Sequence[dict], min_gain: float, chance: str | None = None) -> bool:
+    """Certified saturation: every site tried was scored (none diverged: a failed trial says
+    nothing about its block), the network has learned (``chance`` is ``None``: at chance level
+    depth is not the question), and every tried block's one-sided upper bound on its gain is
+    below ``min_gain``. Anything less is "no certified gain"."""
+    usable = [t for t in trials if not t.get("diverged") and t.get("upper_frac") is not None]
+    if chance is not None or not usable or len(usable) < len(trials):
+        return False
+    return max(t["upper_frac"] for t in usable) < min_gain
+
+
 def trial_verdict(trials: Sequence[dict], min_gain: float, chance: str | None = None) -> Verdict:
     """Grow at the tried site with the largest certified lower bound iff it beats ``min_gain``.
 
     ``trials``: one dict per site with ``site`` and either the figures of :func:`trial_test`
     or ``diverged=True``. The verdict's ``score`` is the best lower bound as a fraction of the
-    loss, ``margin`` is ``min_gain``. "certified saturation" only when every tried block's
-    upper bound is below ``min_gain``; otherwise the reason states the probe's resolution."""
+    loss, ``margin`` is ``min_gain``; ``certified`` (:func:`trial_certified`) says whether a stop
+    is certified saturation. The reason starts with what was certified: "grow", "certified
+    saturation", or "no certified gain" with the resolution the evaluation set had (or the
+    network at chance level) — never "saturated" without the bound."""
     usable = [t for t in trials if not t.get("diverged") and t.get("lower_frac") is not None]
     failed = [t["site"] for t in trials if t.get("diverged")]
     note = f"; trial(s) at {', '.join(failed)} diverged (failed trials, the network is as it was)" if failed else ""
     if not usable:
         return Verdict("trial", True, None, float("nan"), min_gain,
-                       f"saturated: no trial could be scored{note}")  # fmt: skip
+                       f"no certified gain: no trial could be scored{note}")  # fmt: skip
     best = max(usable, key=lambda t: t["lower_frac"])
     level = best["level"]
     if best["paid"]:
@@ -188,15 +207,21 @@ def trial_verdict(trials: Sequence[dict], min_gain: float, chance: str | None = 
     tried = ", ".join(f"{t['site']} {100 * t['gain_frac']:+.2f} %" for t in usable)
     if chance is not None:  # no depth question to answer: the network has not learned
         return Verdict("trial", True, None, best["lower_frac"], min_gain,
-                       f"stopped, not saturated: {chance}; no block tried certified a gain above "
-                       f"{100 * min_gain:.2f} % [tried: {tried}]{note}")  # fmt: skip
-    if top["upper_frac"] < min_gain:
-        what = (f"certified saturation: no block tried lowers the held-out loss by more than {100 * min_gain:.2f} %; "
-                f"the best gains at most {100 * top['upper_frac']:.2f} % ({100 * (1 - level):.1f} %)")  # fmt: skip
+                       f"stopped at chance level, no certified gain: {chance}; no block tried certified a gain "
+                       f"above {100 * min_gain:.2f} % [tried: {tried}]{note}")  # fmt: skip
+    certified = trial_certified(trials, min_gain, chance)
+    at_most = f"the best gains at most {100 * top['upper_frac']:.2f} % ({100 * (1 - level):.1f} %)"
+    if certified:
+        what = (f"certified saturation: no block tried lowers the held-out loss by more than "
+                f"{100 * min_gain:.2f} %; {at_most}")  # fmt: skip
+    elif top["upper_frac"] < min_gain:  # every scored block is bounded below min_gain, but one site was not scored
+        what = (f"no certified gain: the blocks scored gain less than {100 * min_gain:.2f} % ({at_most}), but not "
+                "every site tried could be scored")  # fmt: skip
     else:
         half = 100 * (top["upper_frac"] - top["lower_frac"]) / 2
-        what = (f"no block tried lowers the held-out loss by a certified more than {100 * min_gain:.2f} % "
-                f"(best lower bound {100 * best['lower_frac']:.2f} %); the best gains at most "
-                f"{100 * top['upper_frac']:.2f} % ({100 * (1 - level):.1f} %): not resolved below min_gain — "
-                f"this evaluation set resolves gains to about ±{half:.2f} % of the loss")  # fmt: skip
-    return Verdict("trial", True, None, best["lower_frac"], min_gain, f"saturated: {what} [tried: {tried}]{note}")
+        what = (f"no certified gain: no block tried lowers the held-out loss by a certified more than "
+                f"{100 * min_gain:.2f} % (best lower bound {100 * best['lower_frac']:.2f} %); {at_most}: not "
+                f"resolved below min_gain — this evaluation set resolves gains to about ±{half:.2f} % "
+                "of the loss")  # fmt: skip
+    return Verdict("trial", True, None, best["lower_frac"], min_gain, f"{what} [tried: {tried}]{note}",
+                   certified=certified)

@@ -80,7 +80,8 @@ def test_grows_then_stops_at_saturation(tmp_path):
         t = math.sqrt(sum(s["variance"] for s in scores) / (h["n"] * 0.05))
         assert h["threshold"] == pytest.approx(0.0 + t, rel=1e-9)
         assert (h["action"] == "grow") == (h["gamma"] > h["threshold"])
-    assert last["saturated"] and last["site"] is None
+    # the paper's rule certifies no saturation (Γ̂ ≤ δ+t rules out Γ ≥ δ+2t only): "saturated" is the action
+    assert last["action"] == "saturated" and not last["saturated"] and not last["certified"] and last["site"] is None
     grown = [h for h in grow.history if h["action"] == "grow"]
     assert module.network.depth() == depth0 + len(grown)
     assert [r["site"] for r in module.network.growth_log] == [h["site"] for h in grown]

@@ -184,6 +184,38 @@ def test_measure_reports_checkpoint_arguments_that_override_the_config(fitted, t
     assert cli.model.hparams.width == 4
 
 
+def test_measure_refuses_another_split_than_the_checkpoints_before_writing(fitted, tmp_path, capsys):
+    """The fit trained on the split of seed 0; measure with --data.init_args.seed=7 is one error line
+    naming the argument, the expected and given values and the fix, and no measure folder is made;
+    --allow_other_split=true measures, warns, and the saved report says which split differed."""
+    from growtrain.cli import main
+
+    config, _, ckpt, _ = fitted
+    root = tmp_path / "root"
+    args = ["measure", "--config", str(config), f"--ckpt_path={ckpt}", f"--trainer.default_root_dir={root}",
+            "--data.init_args.seed=7"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: data.init_args.seed: expected seed=0, the split {str(ckpt)!r} was trained with; "
+                          "got seed=7: the probe is carved out of the training images by that split")  # fmt: skip
+    assert "Fix: pass --data.init_args.seed=0 (in Python: the datamodule with seed=0); or allow_other_split=True " \
+           "(--allow_other_split=true)" in err and err.count("\n") == 1  # fmt: skip
+    assert not (root / "measure").exists()
+    warned = r"allow_other_split: measuring .* trained with seed=0, on the split seed=7"
+    with pytest.warns(UserWarning, match=warned) as w:
+        GrowtrainCLI(args=args + ["--allow_other_split=true"])
+    assert sum(str(x.message).startswith("allow_other_split:") for x in w) == 1  # once, not once per look at the split
+    saved = json.loads((root / "measure" / "measure.json").read_text())
+    assert saved["split"]["differs"] == ["seed"] and "not held-out" in (root / "measure" / "measure.md").read_text()
+    # the fit's last check, read from the checkpoint, grew: said; the configured callback (seed 0) drew check 0's
+    # candidates with seed 0·1000 + 0, measure's own default: not a reason
+    assert saved["last_check"]["check"] == 0 and saved["last_check"]["action"] == "grow"
+    assert any(r.startswith("that check then grew the network at") for r in saved["differences"])
+    assert not any(r.startswith("candidate blocks") for r in saved["differences"]), saved["differences"]
+
+
 def test_measure_of_a_truncated_checkpoint_names_the_file(fitted, tmp_path):
     config, _, ckpt, _ = fitted
     bad = tmp_path / "cut.ckpt"

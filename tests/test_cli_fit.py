@@ -37,7 +37,7 @@ def tiny_fit_args(root: Path, *extra: str) -> list[str]:
 
 def test_the_quickstart_as_shipped_warns_of_nothing_of_its_own(tmp_path):
     """The shipped quickstart (its own data, probe and decision), cut to one short epoch: the
-    only warning of growtrain's own is that so short a fit ran no check — nothing about its
+    only warning of growtrain's own is that so short a fit cannot grow — nothing about its
     settings (a probe too small for min_gain, say)."""
     import warnings
 
@@ -51,12 +51,13 @@ def test_the_quickstart_as_shipped_warns_of_nothing_of_its_own(tmp_path):
         GrowtrainCLI(args=args)
     package = Path(growtrain.__file__).parent
     ours = [str(w.message) for w in caught if Path(w.filename).resolve().is_relative_to(package)]
-    assert len(ours) == 1 and ours[0].startswith("GrowUntilSaturated: no growth check ran"), ours
+    # the last anneal_epochs of max_epochs are the final anneal's: so short a fit can only say it cannot grow
+    assert len(ours) == 1 and ours[0].startswith("GrowUntilSaturated: max_epochs=1 leaves no epoch to grow in"), ours
 
 
 def test_fit_quickstart_config_tiny(tmp_path):
-    # 3 epochs are too few for a check (a val_loss plateau, then a 3-epoch stage anneal): the callback says so
-    with pytest.warns(UserWarning, match=r"GrowUntilSaturated: no growth check ran in this fit of 3 epoch\(s\)"):
+    # 3 epochs are all the final anneal's (anneal_epochs=3, reserved inside max_epochs): the callback says so
+    with pytest.warns(UserWarning, match=r"GrowUntilSaturated: max_epochs=3 leaves no epoch to grow in"):
         cli = GrowtrainCLI(args=tiny_fit_args(tmp_path))
     assert cli.trainer.state.finished
     # the datamodule decided the head and the stem (linked at instantiation)
@@ -71,8 +72,9 @@ def test_fit_quickstart_config_tiny(tmp_path):
     # as shipped: checks on a validation-loss plateau after a stage anneal, growth judged by its realized gain
     assert (grower.monitor, grower.rule, grower.min_gain, grower.lr_schedule, grower.on_saturated) == (
         "val_loss", "crossfit", 0.01, "anneal", "anneal")  # fmt: skip
-    # a plateau needs patience=2 epochs, then the stage anneal: 3 epochs hold no check (the warning above says why)
-    assert grower.history == [] and grower.finished is None
+    # growth ended as a budget at the first epoch (no probe), and the rest was the final anneal
+    assert [h["action"] for h in grower.history] == ["budget"] and grower.finished == "budget"
+    assert "reserved for the final anneal" in grower.history[0]["reason"] and grower.history[0]["epoch"] == 0
 
 
 # Replaces the quickstart's callbacks: checkpoints as there, and a grower that must grow once
@@ -84,7 +86,8 @@ trainer:
       init_args: {save_last: true, save_top_k: 0}
     - class_path: growtrain.callbacks.GrowUntilSaturated
       init_args: {monitor: null, rule: paper, t: 1.0e-9, delta: 0.0, max_growths: 1, verbose: false,
-                  lr_schedule: continue, min_gain: null, decision: rule}  # (jsonargparse merges these into the quickstart's)
+                  lr_schedule: continue, min_gain: null, decision: rule, on_saturated: stop}
+                  # (jsonargparse merges these into the quickstart's; on_saturated: stop reserves no final anneal)
 """
 
 
@@ -242,3 +245,72 @@ def test_no_shipped_config_makes_the_callback_warn(config):
 def test_the_fit_configs_are_found():
     names = {str(p.relative_to(CONFIGS)) for p in _fit_configs()}
     assert {"quickstart.yaml", "gpt.yaml", "hf/tiny_llama_stdlib.yaml", "fmnist/growth.yaml"} <= names, names
+
+
+# -- a run that fails in its setup leaves no folder that looks like a run ---------------------------------
+def test_a_setup_error_leaves_no_empty_version_folder(tmp_path):
+    """A missing data root fails in the datamodule's setup, after the logger created version_0/:
+    the error comes out unchanged and no empty version_0/ (nor an empty lightning_logs/) is left."""
+    from growtrain.data import DatasetNotFoundError
+
+    run = tmp_path / "run"
+    args = ["fit", f"--config={CONFIGS / 'quickstart.yaml'}", "--data.dataset=fashion-mnist",
+            f"--data.root={tmp_path / 'nowhere'}", f"--trainer.default_root_dir={run}",
+            "--trainer.enable_progress_bar=false"]  # fmt: skip
+    with pytest.raises(DatasetNotFoundError, match=r"fashion-mnist: IDX files not found\. Looked in: .*nowhere"):
+        GrowtrainCLI(args=args)
+    assert not (run / "lightning_logs").exists(), sorted(str(p) for p in run.rglob("*"))
+
+
+def test_only_folders_a_failed_run_wrote_nothing_to_are_removed(tmp_path):
+    """An empty version folder goes, and one holding only the CLI's config.yaml and hparams.yaml
+    before any step; one holding anything else, or written after training steps, stays."""
+    from types import SimpleNamespace
+
+    from growtrain.trainer import remove_unwritten_log_dirs
+
+    def logger(version: str, *files: str):
+        folder = tmp_path / "lightning_logs" / version
+        folder.mkdir(parents=True)
+        for name in files:
+            (folder / name).write_text("x")
+        return SimpleNamespace(log_dir=str(folder), _experiment=object(), name="lightning_logs")
+
+    empty, setup_only = logger("version_0"), logger("version_1", "config.yaml", "hparams.yaml")
+    metrics = logger("version_2", "config.yaml", "metrics.csv")
+    trained = SimpleNamespace(loggers=[empty, setup_only, metrics], global_step=5)
+    assert remove_unwritten_log_dirs(trained) == [empty.log_dir]  # steps trained: its config.yaml is kept
+    fresh = SimpleNamespace(loggers=[setup_only, metrics], global_step=0)
+    assert remove_unwritten_log_dirs(fresh) == [setup_only.log_dir]  # metrics.csv: version_2 stays
+    assert sorted(p.name for p in (tmp_path / "lightning_logs").iterdir()) == ["version_2"]
+    for name in ("config.yaml", "metrics.csv"):
+        (tmp_path / "lightning_logs" / "version_2" / name).unlink()
+    (tmp_path / "lightning_logs" / "version_2").rmdir()
+    earlier = logger("version_3", "config.yaml")  # a resumed run's folder: only an empty one may go
+    assert remove_unwritten_log_dirs(SimpleNamespace(loggers=[earlier], global_step=0), frozenset()) == []
+    (tmp_path / "lightning_logs" / "version_3" / "config.yaml").unlink()
+    assert remove_unwritten_log_dirs(SimpleNamespace(loggers=[earlier], global_step=0)) == [
+        earlier.log_dir, str(tmp_path / "lightning_logs")]  # the logger's folder, left empty, goes too  # fmt: skip
+
+
+def test_a_failed_resume_keeps_the_earlier_runs_config(tmp_path):
+    """Through the wrapped entry point: a failure with a ckpt_path never removes the setup files of the
+    folder it may have written on into; without one it does (before any step)."""
+    from growtrain import trainer as T
+
+    folder = tmp_path / "lightning_logs" / "version_0"
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text("x")
+    logger = type("Logger", (), {"log_dir": str(folder), "_experiment": object(), "name": "lightning_logs"})()
+
+    def failing(self, model, ckpt_path=None):
+        raise RuntimeError("setup failed")
+
+    wrapped = T._tidy_on_failure(failing)
+    fake = type("Fake", (), {"loggers": [logger], "global_step": 0})()
+    with pytest.raises(RuntimeError, match="setup failed"):
+        wrapped(fake, None, ckpt_path="some.ckpt")
+    assert (folder / "config.yaml").is_file()
+    with pytest.raises(RuntimeError, match="setup failed"):
+        wrapped(fake, None)
+    assert not folder.exists()

@@ -107,6 +107,18 @@ def test_static_shape_before_setup_and_split_checked_early():
         ImageDataModule(probe_size=5000, val_size=3000)  # the mini set has 8000
 
 
+@pytest.mark.parametrize("dataset, why", [("fashion-mnist-mini", "its images ship inside the package"),
+                                          ("synthetic", "its images are generated from seed")])  # fmt: skip
+def test_a_root_for_a_dataset_that_reads_no_file_is_an_error(dataset, why):
+    """A root given with the embedded (or synthetic) set was meant for files that are never read:
+    an error that names root, what it must be, what was given and the fix, not a silent fit on other images."""
+    with pytest.raises(ValueError, match=rf"^root: expected None for dataset='{dataset}': {why}, so root would be "
+                       r"unused; got '/nonexistent'\. Fix: drop root, or pass the dataset whose files are in "
+                       r"'/nonexistent' \(dataset=fashion-mnist, cifar10, cifar100 or imagefolder\)\.$"):  # fmt: skip
+        ImageDataModule(dataset=dataset, root="/nonexistent")
+    assert ImageDataModule(dataset=dataset, root=None).root is None  # the default stays fine
+
+
 # --- embedded Fashion-MNIST subset -----------------------------------------------------------
 def test_embedded_mini_set():
     d = load_images("fashion-mnist-mini")

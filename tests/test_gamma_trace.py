@@ -54,7 +54,8 @@ def trial_history():
          "depth_before": 4, "depth": 5,
          "trial": trial(0.01, {"site": "layer1.2", "diverged": True}, t("layer2.1", 0.04, 0.02, 0.06))},
         {**base, "epoch": 14, "step": 170, "lower": -0.01, "action": "saturated", "site": None, "sites": [],
-         "depth_before": 5, "depth": 5, "reason": "saturated: no block tried lowers the held-out loss by more than 1 %",
+         "depth_before": 5, "depth": 5,
+         "reason": "no certified gain: no block tried lowers the held-out loss by more than 1 %",
          "trial": trial(0.01, t("layer1.2", 0.001, -0.003, 0.005))},
     ]  # fmt: skip
 
@@ -76,10 +77,10 @@ def test_under_the_trial_rule_the_trial_panel_shows_what_decided():
     assert _points(paper)[r"$\delta+t$ (paper)"] == ([4, 9, 14], [0.6] * 3)
     for ax in fig.axes:  # every panel: the growths and the stop
         assert _vlines(ax, "C3", "-") == [4, 9] and _vlines(ax, "k", ":") == [14]
-    assert {"layer1.1", "layer2.1", "stop: saturated"} <= set(_notes(trials))
+    assert {"layer1.1", "layer2.1", "stop: no certified gain"} <= set(_notes(trials))  # the record has no certified
     footer = fig._supxlabel.get_text().replace("\n", " ")
     assert "Final network: depth 5 (started at 3); blocks grown and kept: layer1.1, layer2.1." in footer
-    assert "Growth stopped at epoch 14 (saturated): saturated: no block tried lowers the held-out loss" in footer
+    assert "Growth stopped at epoch 14 (no certified gain): no certified gain: no block tried lowers" in footer
 
 
 def gain_history():
@@ -93,7 +94,7 @@ def gain_history():
          "depth": 5, "gain": gain(0.05, 0.006, False)},
         {**base, "epoch": 29, "action": "saturated", "site": None, "sites": [], "depth_before": 5, "depth": 4,
          "gain": gain(-0.001, 0.005, True), "restored": restored,
-         "reason": "saturated: the last block did not pay; restored the network of check 1"},
+         "reason": "no certified gain: the last block did not pay; restored the network of check 1"},
     ]  # fmt: skip
 
 
@@ -103,7 +104,7 @@ def test_an_undo_is_marked_and_the_final_network_is_the_restored_one(tmp_path):
     assert _points(gain)["certified gain of the last block"] == ([20, 29], [0.05, -0.001])
     for ax in fig.axes:
         assert _vlines(ax, "C3", "-") == [11, 20] and _vlines(ax, "C4", "--") == [29] and _vlines(ax, "k", ":") == [29]
-    assert "undone: layer1.2 → depth 4" in _notes(gain) and "stop: saturated" in _notes(gain)
+    assert "undone: layer1.2 → depth 4" in _notes(gain) and "stop: no certified gain" in _notes(gain)
     labels = [line.get_label() for line in gain.get_lines()]
     assert "block undone (restore_best)" in labels and "growth stopped" in labels
     footer = fig._supxlabel.get_text().replace("\n", " ")
@@ -127,4 +128,5 @@ def test_the_callbacks_final_state_is_the_footer():
     assert final == {"start_depth": 3, "finished": "saturated", "stop_reason": "the reason", "depth": 4,
                      "sites": ["layer1.1"]}  # fmt: skip
     footer = plot_gamma_trace(gain_history(), final=final)._supxlabel.get_text().replace("\n", " ")
-    assert "depth 4 (started at 3); blocks grown and kept: layer1.1;" in footer and "(saturated): the reason" in footer
+    assert "depth 4 (started at 3); blocks grown and kept: layer1.1;" in footer
+    assert "(no certified gain): the reason" in footer  # the gain's stop certifies no upper bound

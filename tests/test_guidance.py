@@ -174,6 +174,47 @@ def test_summary_says_where_the_outputs_are(tmp_path, monkeypatch):
     assert (tmp_path / "logs" / "version_0" / "growth_history.json").exists()
 
 
+def test_summary_says_which_checkpoint_holds_the_network_handed_over(tmp_path, monkeypatch):
+    """The quickstart keeps best_train.ckpt and last.ckpt: the summary says last.ckpt holds the
+    network the fit handed over (checked: its weights are the model's at the end) and that
+    best_train is the lowest-train_loss save, possibly an earlier, shallower network."""
+    printed = _printed(monkeypatch)
+    grow = GrowUntilSaturated(monitor=None, min_gain=None, max_growths=0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", filename="best_train", monitor="train_loss", mode="min",
+                           save_top_k=1, save_last=True, save_on_train_epoch_end=True)  # fmt: skip
+    trainer = _trainer(tmp_path, [grow, ckpt], max_epochs=2, enable_checkpointing=True)
+    model = ImageClassifier(width=4, in_channels=3, num_classes=4)
+    trainer.fit(model, _dm())
+    (line,) = [x for x in guidance.output_lines(trainer, history_path=None, history_written=False)
+               if x.startswith("checkpoints:")]  # fmt: skip
+    step = trainer.global_step
+    assert line == (f"checkpoints: {tmp_path / 'ckpts'}/ (best_train.ckpt, last.ckpt): last.ckpt holds the network "
+                    f"this fit handed over (saved at its last step, {step}); best_train.ckpt holds the save with the "
+                    "lowest train_loss, which may be an earlier, shallower network")  # fmt: skip
+    assert line in " ".join(printed[-1].split())  # the printed summary carries it (unwrapped)
+    saved = torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)["state_dict"]
+    assert saved.keys() == model.state_dict().keys()
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+
+
+def test_summary_says_when_no_checkpoint_holds_the_network_handed_over():
+    """A ModelCheckpoint whose last save came before the fit's last step (every_n_epochs, a top-k that
+    did not improve) holds no copy of the final network: said, with both steps."""
+    from types import SimpleNamespace
+
+    cb = SimpleNamespace(best_model_path="/c/best.ckpt", last_model_path="", _last_checkpoint_saved="/c/best.ckpt",
+                         _last_global_step_saved=40, monitor="val_loss", mode="max")  # fmt: skip
+    trainer = SimpleNamespace(checkpoint_callbacks=[cb], global_step=60, loggers=[], callbacks=[])
+    assert guidance.output_lines(trainer, history_path=None, history_written=False) == [
+        "checkpoints: /c/ (best.ckpt): none holds the network this fit handed over: the last save was at step 40, the "
+        "fit ended at step 60; best.ckpt holds the save with the highest val_loss, which may be an earlier, shallower "
+        "network"
+    ]  # fmt: skip
+    cb._last_global_step_saved = 60  # saved at the last step, no save_last: the file just saved holds it
+    roles = guidance.checkpoint_roles(trainer, cb)
+    assert roles == "best.ckpt holds the network this fit handed over (saved at its last step, 60)"
+
+
 # -- gamma_trace.png shows what decided ------------------------------------------------------------------
 def _history():
     gain = lambda score, need, sat: {"rule": "gain", "score": score, "margin": need, "saturated": sat}  # noqa: E731

@@ -1,13 +1,18 @@
 """`growtrain measure` says which question it answers (the first-order value of a new block, not
 the trial's or the realized gain) and, on a checkpoint whose fit ended growth, how its verdict
-relates to the fit's (read from the growth callback's state in the checkpoint)."""
+relates to the fit's (read from the growth callback's state in the checkpoint); it measures on the
+split the checkpoint was trained with (or refuses), and says why its figures can differ from the
+fit's last check (and reproduces them when nothing differs)."""
 
 from __future__ import annotations
 
 import json
 from types import SimpleNamespace
 
-from growtrain.experiments.measure import QUESTION, fit_verdict, relation_to_fit, run_measure
+import pytest
+import torch
+
+from growtrain.experiments.measure import QUESTION, differences, fit_verdict, relation_to_fit, run_measure
 from growtrain.module import ImageClassifier
 from tests.test_restore import fit, tiny_dm
 
@@ -56,3 +61,123 @@ def test_measure_on_a_fit_that_ended_saturated_says_how_the_verdicts_relate(tmp_
     saved = json.loads((tmp_path / "measure" / "measure.json").read_text())
     assert saved["question"] == QUESTION and saved["fit"] == result.fit and mine in saved["relation_to_fit"]
     assert QUESTION in (tmp_path / "measure" / "measure.md").read_text()
+
+
+# -- the split the checkpoint was trained with, and the fit's last check -----------------------------------
+def _dm(seed: int = 0):
+    dm = tiny_dm()
+    dm.seed = seed  # the split's seed only (the images of the synthetic set stay the same)
+    return dm
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """A fit whose only check (check 0, candidates seeded 2·1000 + 0) finds nothing certified above a
+    huge δ and stops at once: last.ckpt, saved after the check at the same step, holds the network it measured."""
+    import lightning as L
+
+    from growtrain import GrowUntilSaturated
+
+    tmp = tmp_path_factory.mktemp("stopped")
+    L.seed_everything(0)
+    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, rule="crossfit", decision="rule", delta=1e3, seed=2,
+                              min_gain=None, on_saturated="stop", verbose=False)  # fmt: skip
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp / "ckpt", save_last=True, save_on_train_epoch_end=True)
+    trainer = L.Trainer(max_epochs=6, callbacks=[grow, ckpt], enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp, limit_val_batches=0, logger=False, limit_train_batches=3)  # fmt: skip
+    trainer.fit(ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic"), tiny_dm())
+    (last,) = grow.history
+    assert last["action"] == "saturated" and last["step"] == trainer.global_step
+    return tmp, str(tmp / "ckpt" / "last.ckpt"), last
+
+
+def test_measure_reproduces_the_fits_last_check_when_nothing_differs(stopped):
+    """The same network, the check's candidate seed, level, rule and δ: no reason listed, and Γ̂, δ+t
+    and the lower bounds are the check's exactly. Another seed: that one reason, and another Γ̂."""
+    _, path, last = stopped
+    same = run_measure(ImageClassifier(width=4, num_classes=4), _dm(), ckpt_path=path, seed=2000, delta=1e3,
+                       fit_growth={"seed": 2, "calibrate": True})  # fmt: skip
+    assert same.differences == [] and same.last_check["check"] == 0
+    assert (same.report.gamma, same.report.threshold) == (last["gamma"], last["threshold"])
+    assert max(r.lower for r in same.report.sites) == last["lower"]
+    assert "Same network, candidate blocks, calibration, precision, level, t, rule and δ: the figures agree" in \
+        same.caption()  # fmt: skip
+    other = run_measure(ImageClassifier(width=4, num_classes=4), _dm(), ckpt_path=path, seed=0, delta=1e3,
+                        fit_growth={"seed": 2, "calibrate": True})  # fmt: skip
+    (reason,) = other.differences
+    assert reason.startswith("candidate blocks: that check drew them with seed 2000 (GrowUntilSaturated's seed 2 × "
+                             "1000 + check 0), this report with seed=0") and "(seed=2000 draws that check's)" in reason
+    assert other.report.gamma != last["gamma"]
+    assert f"They can differ: (1) {reason}." in other.caption() and other.to_dict()["differences"] == [reason]
+
+
+def test_differences_names_each_reason_that_applies():
+    """Trained after the check, grown or restored there, another seed, calibration, level, t, rule, δ:
+    each listed when (and only when) it applies."""
+    base = {"check": 3, "step": 50, "checkpoint_step": 50, "alpha": 0.05, "error_bound": 0.05, "t": 0.4,
+            "rule": "crossfit", "delta": 0.0, "action": "saturated", "sites": [], "restored": False}  # fmt: skip
+    report = SimpleNamespace(alpha=0.05, rule="crossfit", delta=0.0)
+    same = dict(seed=3003, fit_growth={"seed": 3, "calibrate": True})
+    assert differences(base, report, **same) == []
+    cases = {
+        "trained on for 30 optimizer step(s) (the check at step 50, this checkpoint at step 80": {
+            "checkpoint_step": 80},
+        "that check then grew the network at layer2.1": {"action": "grow", "sites": ["layer2.1"]},
+        "that check undid the growth before it (restore_best)": {"restored": True},
+        "level: that check tested at α=0.0125": {"alpha": 0.0125, "error_bound": 0.0125},
+        "t: that check's was given (t=1e-06, the callback's t), this report's derived from alpha": {
+            "t": 1e-6, "error_bound": 1.0},
+        "rule: that check's was 'paper', this report's 'crossfit'": {"rule": "paper"},
+        "δ: that check's was 0.1, this report's 0: δ+t differs": {"delta": 0.1},
+    }  # fmt: skip
+    for text, change in cases.items():
+        (reason,) = differences(base | change, report, **same)
+        assert reason.startswith(text) or text in reason, (text, reason)
+    (seeded,) = differences(base, report, seed=0)  # the callback's seed unknown: its formula
+    assert "seed = GrowUntilSaturated's seed × 1000 + 3 (check 3), this report with seed=0" in seeded
+    (calibration,) = differences(base, report, seed=3003, fit_growth={"seed": 3, "calibrate": False})
+    assert calibration.startswith("candidate BatchNorm calibration: the fit's checks ran with calibrate=False")
+    (mixed,) = differences(base, report, seed=3003, fit_growth={"seed": 3, "precision": "bf16-mixed"})
+    assert mixed.startswith("precision: the fit's checks ran the probe under autocast (precision=bf16-mixed)")
+    assert differences(base, report, seed=3003, fit_growth={"seed": 3, "precision": "32-true"}) == []
+    (given,) = differences(base, report, t=0.2, **same)
+    assert given == "t: that check derived t from its level, this report's is given (t=0.2): δ+t differs"
+
+
+def test_measure_refuses_a_split_other_than_the_checkpoints(stopped, tmp_path):
+    """A datamodule seeded 7 for a checkpoint trained on seed 0: an error naming the argument, what was
+    expected and given and the fix, before the weights or the data are loaded or anything is written;
+    allow_other_split=True measures anyway, with a warning, and the report says its figures are not held-out."""
+    _, path, _ = stopped
+    model, dm = ImageClassifier(width=4, num_classes=4), _dm(seed=7)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as caught:
+        run_measure(model, dm, ckpt_path=path, output_dir=tmp_path / "measure")
+    assert str(caught.value) == (
+        f"data.init_args.seed: expected seed=0, the split {path!r} was trained with; got seed=7: the probe is carved "
+        "out of the training images by that split, so this one can hold images the network trained on and the report "
+        "would not be a held-out measurement. Fix: pass --data.init_args.seed=0 (in Python: the datamodule with "
+        "seed=0); or allow_other_split=True (--allow_other_split=true) to measure on this split anyway."
+    )  # fmt: skip
+    assert dm._data is None and not (tmp_path / "measure").exists()  # nothing loaded, nothing written
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.warns(UserWarning, match=r"allow_other_split: measuring .*, trained with seed=0, on the split seed=7"):
+        result = run_measure(model, dm, ckpt_path=path, allow_other_split=True)
+    assert result.split == {"checked": True, "checkpoint": result.split["checkpoint"], "measured": dm._split_key(),
+                            "differs": ["seed"]}  # fmt: skip
+    assert result.split["checkpoint"]["seed"] == 0
+    assert ("Another split than the checkpoint's (allow_other_split; seed: checkpoint 0, here 7): this probe can hold "
+            "images the network trained on, so these figures are not held-out.") in result.caption()  # fmt: skip
+    assert run_measure(ImageClassifier(width=4, num_classes=4), _dm(), ckpt_path=path).split["differs"] == []
+
+
+def test_a_checkpoint_without_a_split_is_measured_and_says_so(stopped, tmp_path):
+    _, path, _ = stopped
+    checkpoint = torch.load(path, weights_only=True)
+    for key in ("ImageDataModule", "datamodule_hyper_parameters", "datamodule_hparams_name"):
+        checkpoint.pop(key)
+    torch.save(checkpoint, tmp_path / "bare.ckpt")
+    result = run_measure(ImageClassifier(width=4, num_classes=4), _dm(seed=7), ckpt_path=str(tmp_path / "bare.ckpt"))
+    assert result.split["checked"] is False
+    assert ("Split not checked: the checkpoint records no data split (no datamodule state or hyper-parameters); "
+            "whether this probe was held out from the network's training is unknown.") in result.caption()

@@ -231,3 +231,32 @@ def test_the_window_rule_is_scale_free_a_loss_times_ten_decides_alike():
     for key in ("gain_frac", "lower_frac", "upper_frac"):
         assert r1[key] == pytest.approx(r10[key], rel=1e-9, abs=1e-12)
     assert r10["loss_now"] == pytest.approx(10 * r1["loss_now"])
+
+
+def test_the_summary_says_how_the_epochs_split_and_whether_the_network_was_cut():
+    from growtrain.callbacks.guidance import phase_line
+
+    kw = dict(anneal_epochs=5, on_saturated="anneal", schedule="periodic")
+    assert phase_line(growth_epochs=18, final_epochs=5, epochs=23, **kw) == (
+        "epochs: 18 growing (periodic schedule), 5 in the final anneal (complete)")
+    cut = phase_line(growth_epochs=18, final_epochs=2, epochs=20, **kw)
+    assert "2 of 5 in the final anneal" in cut and "not fully annealed" in cut
+    never = phase_line(growth_epochs=None, final_epochs=0, epochs=30, **kw)
+    assert "ended before growth did" in never and "cut mid-stage" in never
+    annealed = phase_line(growth_epochs=12, final_epochs=0, epochs=12, **kw | {"schedule": "converged"})
+    assert "growth ended on an annealed network" in annealed
+
+
+def test_a_periodic_fits_summary_prints_the_split(tmp_path, caplog):
+    L.seed_everything(0)
+    grow = GrowUntilSaturated(schedule="periodic", every_n_epochs=1, window=1, min_gain=10.0, anneal_epochs=2,
+                              on_saturated="anneal")  # fmt: skip
+    trainer = L.Trainer(max_epochs=8, callbacks=[grow], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                        default_root_dir=tmp_path)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1))  # fmt: skip
+    with caplog.at_level("INFO"):
+        trainer.fit(model, tiny_dm())
+    out = " ".join(caplog.text.split())  # without a rich bar the summary goes through rank_zero_info (logging)
+    assert "epochs: 2 growing (periodic schedule), 2 in the final anneal (complete)" in out

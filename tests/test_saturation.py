@@ -293,6 +293,27 @@ def test_select_projected_ranks_by_projected(kind):
     assert rep.best_site == max(rep.sites, key=lambda r: r.projected).name
 
 
+
+@pytest.mark.parametrize("rule", ["paper", "crossfit", "relative"])
+def test_every_rule_reports_t_and_the_threshold_when_the_variance_is_computed(kind, rule):
+    """The callback passes variance=True under every rule and reports Γ̂ against δ+t: under the
+    cross-fit rules too, t = sqrt(Σσ̂²/(nα)), the threshold δ+t and the error bound come from the
+    per-sample loop of the oracle (the candidates uncalibrated, so every rule scores the same blocks)."""
+    net = H.make_net(kind, seed=0)
+    batches = H.probe_batches(kind, n=20, batch=8)
+    delta = 0.01
+    report = measure_saturation(net, batches, H.loss_fn, rule=rule, variance=True, delta=delta, alpha=0.05, seed=7,
+                                calibrate=False, projected=False)  # fmt: skip
+    oracles = {r.name: H.site_oracle(net, r.site, r.block, batches) for r in report.sites}
+    total_var = sum(o.variance for o in oracles.values())
+    t = math.sqrt(total_var / (20 * 0.05))
+    assert report.t is not None and rel_err(report.t, t) <= REL, (rule, report.t, t)
+    assert report.threshold == report.delta + report.t and report.delta == delta
+    assert rel_err(report.error_bound, 0.05) <= 1e-9  # t from α solves Σσ̂²/(n t²) = α
+    paper = report.verdicts["paper"]  # the paper's Γ̂ against δ+t, beside the rule that decided
+    assert rel_err(paper.margin, delta + t) <= REL and paper.saturated == (report.gamma <= delta + t)
+    assert report.to_dict()["t"] == report.t and report.to_dict()["threshold"] == report.threshold
+
 # -- 5. planted linear-Gaussian problem with a known population gradient --------------------------
 class LinearFeatureBlock(nn.Module):
     """``z + V (U z)`` with a ``DenseFeatures`` fast form; terminal map ``V`` (no bias)."""

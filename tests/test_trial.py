@@ -105,12 +105,18 @@ def test_the_verdict_says_what_it_certified():
     wide = {"site": "layer1.1", "paid": False, "lower_frac": -0.01, "gain_frac": 0.005, "upper_frac": 0.02, "level": 0.0167, "n": 500}
     v = trial_verdict([small, grow], 0.01)
     assert not v.saturated and v.site == "layer2.1" and "lowers the held-out loss by at least 2.00 %" in v.reason
+    assert not v.certified
     v = trial_verdict([small], 0.01)
-    assert v.saturated and "certified saturation" in v.reason and "at most 0.50 %" in v.reason
-    v = trial_verdict([small, wide], 0.01)
-    assert v.saturated and "certified saturation" not in v.reason and "not resolved" in v.reason
+    assert v.saturated and v.certified and v.reason.startswith("certified saturation") and "at most 0.50 %" in v.reason
+    v = trial_verdict([small, wide], 0.01)  # wide's upper bound 2 % > min_gain: a gain above 1 % is not ruled out
+    assert v.saturated and not v.certified and v.reason.startswith("no certified gain") and "not resolved" in v.reason
+    assert "saturat" not in v.reason
+    # a diverged trial says nothing about its block: every scored block below min_gain is not enough
     v = trial_verdict([{"site": "layer1.1", "diverged": True}, small], 0.01)
-    assert v.saturated and "diverged" in v.reason
+    assert v.saturated and not v.certified and "diverged" in v.reason and v.reason.startswith("no certified gain")
+    assert "saturat" not in v.reason
+    v = trial_verdict([{"site": "layer1.1", "diverged": True}], 0.01)
+    assert v.saturated and not v.certified and "saturat" not in v.reason
 
 
 def test_candidates_are_the_best_site_of_each_stage_best_first():
@@ -274,13 +280,16 @@ def test_a_network_at_chance_level_is_never_called_saturated():
     small = {"site": "layer3.1", "paid": False, "lower_frac": 0.001, "gain_frac": 0.003, "upper_frac": 0.005,
              "level": 0.0167, "n": 12000}
     v = trial_verdict([small], 0.01, chance="the network is at chance level (probe loss 1.38)")
-    assert v.saturated and "not saturated" in v.reason and "certified saturation" not in v.reason
-    from growtrain.callbacks.telemetry import fit_summary  # the summary's headline follows the reason
+    # small's bounds alone would certify saturation (test_the_verdict_says_what_it_certified): at chance, not
+    assert v.saturated and not v.certified and v.reason.startswith("stopped at chance level")
+    assert "saturat" not in v.reason
+    from growtrain.callbacks.telemetry import fit_summary  # the summary's headline follows the record's certified
 
-    history = [{"check": 0, "epoch": 1, "depth_before": 3, "depth": 3, "action": "saturated", "site": None}]
+    history = [{"check": 0, "epoch": 1, "depth_before": 3, "depth": 3, "action": "saturated", "site": None,
+                "certified": v.certified}]  # fmt: skip
     text = str(fit_summary(history, start_depth=3, final_depth=3, finished="saturated", stop_reason=v.reason,
                            metrics={}, probe_seconds=0.0, fit_seconds=1.0, no_check=None, outputs=[]).caption)
-    assert "at chance level, not saturated" in text and "certified saturation" not in text
+    assert "stopped at chance level" in text and "no certified gain" in text and "saturat" not in text
 
 
 def test_the_chance_guard_reads_the_probes_mean_loss():
@@ -336,7 +345,7 @@ def test_an_untrained_fit_is_stopped_as_not_saturated(tmp_path):
                             optimizer=lambda p: torch.optim.SGD(p, lr=0.0))  # fmt: skip
     model.network.fc.weight.data.zero_(), model.network.fc.bias.data.zero_()  # uniform predictions
     trainer.fit(model, tiny_dm(synthetic_size=200))
-    assert grow.finished == "saturated" and grow.stop_reason.startswith("stopped, not saturated")
+    assert grow.finished == "saturated" and grow.stop_reason.startswith("stopped at chance level")
 
 
 def test_a_trial_never_trains_on_the_samples_it_is_scored_on():

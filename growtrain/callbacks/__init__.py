@@ -3,7 +3,8 @@
 - ``growth``: :class:`GrowUntilSaturated`, the probe-and-grow callback;
 - ``early_stopping``: :class:`TrainLossEarlyStopping`, the paper's stop on the training loss;
 - ``compute``: :class:`ComputeMeter`, batches, samples and estimated FLOPs of a fit;
-- ``gamma_plot``: :class:`GammaTracePlot`, ``gamma_trace.png`` from the growth checks at fit end.
+- ``gamma_plot``: :class:`GammaTracePlot`, ``gamma_trace.png`` from the growth checks at fit end;
+- ``rng_state``: :class:`RandomStateCheckpoint`, the random state in every checkpoint, back on resume.
 """
 
 from growtrain.callbacks._select import growth_callbacks
@@ -11,11 +12,13 @@ from growtrain.callbacks.compute import ComputeMeter, forward_flops
 from growtrain.callbacks.early_stopping import TrainLossEarlyStopping
 from growtrain.callbacks.gamma_plot import GammaTracePlot, save_gamma_trace
 from growtrain.callbacks.growth import GrowUntilSaturated
+from growtrain.callbacks.rng_state import RandomStateCheckpoint
 
 __all__ = [
     "ComputeMeter",
     "GammaTracePlot",
     "GrowUntilSaturated",
+    "RandomStateCheckpoint",
     "TrainLossEarlyStopping",
     "forward_flops",
     "growth_callbacks",

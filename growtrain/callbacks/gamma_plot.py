@@ -46,7 +46,14 @@ def final_state(callback) -> dict:
 
 
 class GammaTracePlot(Callback):
-    """Writes ``gamma_trace.png`` (see :func:`save_gamma_trace`) when ``fit`` ends."""
+    """Writes ``gamma_trace.png`` (see :func:`save_gamma_trace`) when ``fit`` ends, or is stopped
+    by Ctrl-C."""
 
     def on_fit_end(self, trainer, pl_module) -> None:
         save_gamma_trace(trainer, pl_module)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # Ctrl-C: the growth summary printed on interrupt names gamma_trace.png among the outputs,
+        # so write it. One process only: save_gamma_trace finds its folder with a collective.
+        if isinstance(exception, KeyboardInterrupt) and trainer.world_size == 1:
+            save_gamma_trace(trainer, pl_module)

@@ -37,6 +37,8 @@ from growtrain.callbacks.growth_state import GrowthStateMixin
 from growtrain.callbacks.monitor import StageMonitorMixin
 from growtrain.callbacks.remeasure import save_rewound, saved_checkpoints
 from growtrain.callbacks.restore import take_snapshot
+from growtrain.callbacks.progress import counted, progress_for
+from growtrain.plots import outcome
 from growtrain.callbacks.trial_check import BlockTrials
 from growtrain.callbacks.window_check import WindowRule
 from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_HOLDOUT, DEFAULT_TRIAL_LR
@@ -299,6 +301,7 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         if self.start_depth is None:
             self.start_depth = self._depth(self._network)
         self._check_lr_schedule(trainer)
+        self._warn_no_room(trainer)
         check_probe_setup(trainer, pl_module, self._network, self._probe_loader(trainer, shard=False), self._loss)
         probe = self._probe_loader(trainer)
         probe_ds = getattr(probe, "dataset", None)
@@ -430,6 +433,17 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             params=telemetry.count_params(network), max_params=self.max_params,
         ) or (self._final_reserved(trainer) if trainer is not None else None)  # fmt: skip
 
+    def _warn_no_room(self, trainer: Trainer) -> None:
+        """A fit whose ``max_epochs`` leaves no epoch outside the reserved final anneal cannot grow: say so."""
+        max_epochs = trainer.max_epochs
+        if self.on_saturated != "anneal" or self.finished is not None or max_epochs is None or max_epochs < 0:
+            return
+        if max_epochs - trainer.current_epoch <= self.anneal_epochs + 1:
+            rank_zero_warn(f"GrowUntilSaturated: max_epochs={max_epochs} leaves no epoch to grow in: the last "
+                           f"anneal_epochs={self.anneal_epochs} are reserved for the final anneal (on_saturated="
+                           f"'anneal'), so growth ends at the first epoch as a budget. Fix: raise max_epochs, lower "
+                           "anneal_epochs, or pass on_saturated='stop'.", category=UserWarning)  # fmt: skip
+
     def _final_reserved(self, trainer: Trainer) -> str | None:
         """With ``on_saturated="anneal"`` the final phase is reserved inside ``max_epochs``: once no
         more than ``anneal_epochs`` epochs are left after this one, growth ends (a budget) and the
@@ -535,6 +549,8 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
                     )  # fmt: skip
                 if action == "grow":  # the function is preserved: these are the new stage's starting losses
                     self.gain_reference, self.gain_signature = losses.tolist(), signatures.tolist()
+        # certified only where the deciding verdict's upper bound was below its margin (trial, window)
+        certified = any((record.get(key) or {}).get("certified") for key in ("trial", "window"))
         if action != "grow" and (record.get("gain") or {}).get("saturated") and self.snapshot:
             record["restored"] = self._restore(trainer, pl_module, network)
             reason = f"{reason}; {record['restored']['what']}"
@@ -548,9 +564,9 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
                 )  # fmt: skip
             record.update(self._grow(trainer, pl_module, network, report, sites))
         else:
-            self._finish(trainer, "saturated" if action == "saturated" else "budget", reason, annealed)
+            self._finish(trainer, "saturated" if action == "saturated" else "budget", reason, annealed, certified)
         record.update(telemetry.check_record(report, action, reason, sites, network, self._depth(network),
-                                             self.log_sites))  # fmt: skip
+                                             self.log_sites, certified=certified))  # fmt: skip
         if isinstance(record.get("verdicts"), dict):
             for key in ("gain", "trial", "window"):
                 if key in record:
@@ -565,7 +581,8 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         """decision='trial': block-only trials at the best site of each stage decide (trial_check.py)."""
         verdict, trials = self._trials.run(trainer, pl_module, network, report, self._probe_loader(trainer, shard=False),
                                            self._loss, record["level"])  # fmt: skip
-        record["trial"] = {"saturated": verdict.saturated, "site": verdict.site, "lower_frac": verdict.score,
+        record["trial"] = {"saturated": verdict.saturated, "certified": verdict.certified, "site": verdict.site,
+                           "lower_frac": verdict.score,
                            "min_gain": verdict.margin, "reason": verdict.reason, "trials": trials}  # fmt: skip
         site = verdict.site
         return dec.decide_growth(
@@ -589,18 +606,19 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             max_params=self.max_params, reason=verdict.reason,
         )  # fmt: skip
 
-    def _finish(self, trainer: Trainer, why: str, reason: str, annealed: bool = False) -> None:
+    def _finish(self, trainer: Trainer, why: str, reason: str, annealed: bool = False, certified: bool = False) -> None:
         """Growth has ended: stop, continue at this depth, or start the final anneal (unless the
         stage anneal before this check already annealed the final network)."""
         self.finished, self.stop_reason = why, reason
         self.growth_epochs = trainer.current_epoch + 1  # epochs trained when growth ended (the summary's split)
         self.snapshot = None  # no later verdict can restore it: free the host copy (and the checkpoint's)
+        words = outcome({"action": why, "certified": certified})  # never "saturated" for an uncertified stop
         if self.on_saturated == "anneal" and annealed:
             trainer.should_stop = True
-            rank_zero_info(f"GrowUntilSaturated: growth ended ({why}) on the annealed network; stopping")
+            rank_zero_info(f"GrowUntilSaturated: growth ended ({words}) on the annealed network; stopping")
         elif self.on_saturated == "anneal":
             if self._start_anneal(trainer, "final"):
-                rank_zero_info(f"GrowUntilSaturated: growth ended ({why}); annealing the learning rate to 0 over "
+                rank_zero_info(f"GrowUntilSaturated: growth ended ({words}); annealing the learning rate to 0 over "
                                f"{self.anneal_epochs} epoch(s), then stopping")  # fmt: skip
         elif why == "saturated" and self.on_saturated == "stop":
             trainer.should_stop = True
@@ -624,8 +642,10 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         self._pass_losses = [] if self.decision in ("gain", "window") and trainer.world_size == 1 else None
         self._pass_probe = Fingerprinted(loader) if self._pass_losses is not None else None
         start = time.perf_counter()
+        # the pass over every site shows its batches in the progress bar (nothing without one, or off rank 0)
+        probe = counted(self._pass_probe or loader, progress_for(trainer), "growth check: probe pass")
         report = measure_saturation(
-            ProbeView(pl_module, network), _Converted(self._pass_probe or loader, trainer), self._loss, delta=self.delta, alpha=level,
+            ProbeView(pl_module, network), _Converted(probe, trainer), self._loss, delta=self.delta, alpha=level,
             t=self.t, projected=self.projected, rule=self.rule, tau=self.tau, seed=self.seed * 1000 + self.checks,
             calibrate=self.calibrate, autocast_dtype=self._autocast_dtype(trainer), sync_fn=sync_fn, probe_size=size,
             sample_losses=self._pass_losses, variance=True,  # every check reports the paper's Γ̂ against δ+t

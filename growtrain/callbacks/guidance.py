@@ -3,7 +3,7 @@
 - :func:`no_check_message`: a fit in which no check ran, with the reason (the monitor and its
   best value, patience, ``min_stage_epochs``) and what to change;
 - :func:`output_lines`: where the fit's outputs are (logs, ``growth_history.json``, the Γ̂
-  trace, checkpoints);
+  trace, checkpoints, and which checkpoint holds the network the fit handed over);
 - :func:`probe_resolution` / :func:`probe_size_message`: whether the probe is large enough for a
   gain of ``min_gain`` to be detectable at level α, and the smallest size that is.
 
@@ -118,5 +118,45 @@ def output_lines(trainer: Any, *, history_path: str | None, history_written: boo
         if paths:
             where = os.path.dirname(paths[0])
             names = ", ".join(dict.fromkeys(os.path.basename(p) for p in paths))
-            lines.append(f"checkpoints: {where}{os.sep} ({names})")
+            lines.append(f"checkpoints: {where}{os.sep} ({names}): {checkpoint_roles(trainer, cb)}")
     return lines
+
+
+def checkpoint_roles(trainer: Any, cb: Any) -> str:
+    """Which of a ``ModelCheckpoint``'s files holds the network the fit handed over (the one in
+    memory at its end), and what the best file holds: a user who loads ``best_train`` for the grown
+    network may get an earlier, shallower one. A file holds the final network when the callback's
+    last save was at the fit's last step (``ModelCheckpoint`` saves after the growth callback's
+    check at an epoch's end, and an undo saves the restored network again, remeasure.py)."""
+    best, last = getattr(cb, "best_model_path", ""), getattr(cb, "last_model_path", "")
+    step, end = getattr(cb, "_last_global_step_saved", None), getattr(trainer, "global_step", None)
+    final = (last or getattr(cb, "_last_checkpoint_saved", "") or None) if step is not None and step == end else None
+    if final:
+        parts = [f"{os.path.basename(final)} holds the network this fit handed over (saved at its last step, {end})"]
+    else:
+        parts = [f"none holds the network this fit handed over: the last save was at step {step}, the fit ended at "
+                 f"step {end}"]  # fmt: skip
+    monitor = getattr(cb, "monitor", None)
+    if best and best != final and monitor:
+        extreme = "lowest" if getattr(cb, "mode", "min") == "min" else "highest"
+        parts.append(f"{os.path.basename(best)} holds the save with the {extreme} {monitor}, which may be an earlier, "
+                     "shallower network")  # fmt: skip
+    return "; ".join(parts)
+
+
+def phase_line(*, growth_epochs: int | None, final_epochs: int, anneal_epochs: int, on_saturated: str, epochs: int,
+               schedule: str) -> str:  # fmt: skip
+    """How the fit's epochs split between growing and the final phase, and whether the network
+    handed over finished its final anneal (or was cut mid-stage by the end of the fit)."""
+    if growth_epochs is None:
+        return (f"epochs: {epochs} trained, all of them growing ({schedule} schedule); the fit ended before growth "
+                "did: the network handed over was cut mid-stage, not annealed")  # fmt: skip
+    line = f"epochs: {growth_epochs} growing ({schedule} schedule)"
+    if on_saturated != "anneal":
+        return f"{line}, {max(0, epochs - growth_epochs)} after growth ended (on_saturated={on_saturated!r}, no anneal)"
+    if final_epochs >= anneal_epochs:
+        return f"{line}, {final_epochs} in the final anneal (complete)"
+    if final_epochs == 0 and epochs <= growth_epochs:
+        return f"{line}; growth ended on an annealed network (no separate final anneal)"
+    return (f"{line}, {final_epochs} of {anneal_epochs} in the final anneal: the fit ended before it was complete, "
+            "the network handed over is not fully annealed")  # fmt: skip

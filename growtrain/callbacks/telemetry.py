@@ -17,6 +17,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
+from growtrain.plots import outcome
 from growtrain.saturation import SaturationReport
 
 __all__ = ["plain", "count_params", "check_record", "log_check", "history_path", "write_history",
@@ -46,11 +47,17 @@ def count_params(module: nn.Module) -> int:
 
 
 def check_record(report: SaturationReport | None, action: str, reason: str, sites: list[str], network: nn.Module,
-                 depth: int | None, log_sites: bool) -> dict:  # fmt: skip
-    """The history fields that describe a check's outcome and the report behind it."""
+                 depth: int | None, log_sites: bool, certified: bool = False) -> dict:  # fmt: skip
+    """The history fields that describe a check's outcome and the report behind it.
+
+    ``action`` is the code value (``"grow"``, ``"saturated"``, ``"budget"``); ``certified`` is the
+    deciding verdict's ``Verdict.certified``. ``saturated`` and ``certified`` are true only for a
+    stop whose verdict certified it (an upper bound below the margin): a stop on a lower bound that
+    did not clear the margin is ``action="saturated"`` with both false ("no certified gain")."""
+    certified = bool(certified) and action == "saturated"
     out: dict[str, Any] = {
         "action": action, "reason": reason, "site": sites[0] if sites else None, "sites": list(sites),
-        "saturated": action == "saturated", "params": count_params(network), "depth": depth,
+        "saturated": certified, "certified": certified, "params": count_params(network), "depth": depth,
     }  # fmt: skip
     keys = ("gamma", "threshold", "t", "delta", "alpha", "n", "error_bound", "rule", "margin", "reference", "tau")
     if report is None:
@@ -74,7 +81,7 @@ def log_check(trainer: Trainer, report: SaturationReport | None, record: dict, l
     metrics = {
         "growth/depth": record.get("depth"),
         "growth/params": record.get("params"),
-        "growth/saturated": float(record["saturated"]),
+        "growth/saturated": float(record["saturated"]),  # 1 only at a certified stop (check_record)
         "growth/grew": float(len(record["sites"])),
     }
     if report is not None:
@@ -123,7 +130,8 @@ def print_renderable(trainer: Trainer, renderable: Any, soft_wrap: bool = False)
 
 
 def check_table(report: SaturationReport | None, record: dict) -> Any:
-    title = f"growth check {record['check']} (epoch {record['epoch']}, step {record['step']}): {record['action']}"
+    # the header says what was certified (plots.outcome), never the bare code value "saturated"
+    title = f"growth check {record['check']} (epoch {record['epoch']}, step {record['step']}): {outcome(record)}"
     if report is None:
         return f"{title}: {record['reason']}"
     from growtrain.report import saturation_table
@@ -144,7 +152,7 @@ def _fmt(value: Any, spec: str = ".4g") -> str:
 def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: int | None, finished: str | None,
                 stop_reason: str | None, metrics: dict[str, float], probe_seconds: float,
                 fit_seconds: float, no_check: str | None = None, outputs: list[str] | None = None,
-                measured_on: str | None = None) -> Any:  # fmt: skip
+                measured_on: str | None = None, phases: str | None = None) -> Any:  # fmt: skip
     """One screen at the end of a fit: depth start → final, each growth, why it stopped, final
     losses, the probe's share of the run time and where the outputs are. A fit with no check
     (``no_check``: why) is a few lines of text instead of an empty table. ``measured_on``: what
@@ -166,7 +174,7 @@ def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: in
     # it is not 0 (δ, τ·R), the ratio with the relative rule, the gain once a growth was judged.
     cells = {
         "check": lambda h: str(h.get("check")), "epoch": lambda h: str(h.get("epoch")),
-        "depth": lambda h: _fmt(h.get("depth_before")), "action": lambda h: str(h.get("action")),
+        "depth": lambda h: _fmt(h.get("depth_before")), "action": outcome,
         "site": lambda h: _fmt(h.get("site")), "first-order ≥": lambda h: _fmt(h.get("lower"), ".3g"),
         # decision="trial": what decided — the best trial's certified gain, % of the held-out loss
         "block gain ≥ %": lambda h: _fmt(100 * h["trial"]["lower_frac"], ".3g")
@@ -184,20 +192,21 @@ def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: in
         "block gain ≥ %": any(h.get("trial") for h in history),
     }  # fmt: skip
     columns = [c for c in cells if shown.get(c, True)]
-    for col in columns:  # "saturated" in full: the action is the row's point
+    for col in columns:  # the action in full ("no certified gain"): it is the row's point
         table.add_column(col, justify="left" if col in ("action", "site") else "right",
                          min_width=9 if col == "action" else None)  # fmt: skip
     for h in history:
         table.add_row(*(cells[c](h) for c in columns))
-    # "certified saturation" only where the verdict certified it (an upper bound below the margin);
-    # otherwise the stop is "no certified gain", and the reason gives the evaluation set's resolution
-    reason = str(stop_reason or "")
-    certified = "certified saturation" in reason or not reason.startswith(("saturated: no block", "stopped, not"))
+    # "certified saturation" only where the stop's verdict certified it (its record's ``certified``:
+    # an upper bound below the margin); otherwise "no certified gain", and the reason gives the
+    # resolution the evaluation set had (or that the network is at chance level)
+    stop = next((h for h in reversed(history) if h.get("action") == "saturated"), {})
     why = {None: "growth had not ended when the fit stopped (max_epochs or another callback)",
-           "saturated": "certified saturation" if certified else "the network is at chance level, not saturated"
-           if reason.startswith("stopped, not") else "no certified gain from more depth",
+           "saturated": "certified saturation" if stop.get("certified") else "no certified gain from more depth",
            "budget": "a growth budget"}.get(finished, str(finished))  # fmt: skip
     lines = [f"stopped growing: {why}" + (f" — {stop_reason}" if stop_reason else "")]
+    if phases:
+        lines.append(phases)
     if losses:
         lines.append(f"{final}: {losses}")
     share = probe_seconds / fit_seconds if fit_seconds > 0 else float("nan")

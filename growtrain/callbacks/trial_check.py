@@ -26,6 +26,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 from growtrain.callbacks.probe_data import Converted, ProbeView, per_sample_losses
+from growtrain.callbacks.progress import Steps, counted, progress_for
 from growtrain.gain import sample_signatures
 from growtrain.trial import (
     HOLDOUT_FRACTION, MIN_TRIAL_STEPS, at_chance, constant_prediction_loss, train_block, trial_test, trial_verdict,
@@ -105,18 +106,26 @@ class BlockTrials:
     # -- one check -----------------------------------------------------------------------
     def run(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module, report: Any, probe: Any,
             loss_fn: Any, level: float) -> tuple[Any, list[dict]]:  # fmt: skip
-        """Try the candidate sites; return ``(verdict, trials)`` (``growtrain.trial.trial_verdict``)."""
+        """Try the candidate sites; return ``(verdict, trials)`` (``growtrain.trial.trial_verdict``).
+
+        Each phase (the probe's losses, each trial's held-out losses, training and scoring) shows in
+        the trainer's progress bar (``growtrain.callbacks.progress``): nothing when bars are off or
+        on ranks other than 0."""
         start = time.perf_counter()
         device = next(network.parameters()).device
         view = ProbeView(pl_module, network)
         sites = trial_candidates(report, self.sites)
-        probe_before = per_sample_losses(view, Converted(probe, trainer), loss_fn, device)
         steps, holdout_batches = self._steps_and_holdout(trainer)
         sync = self._grad_sync(trainer)
         trials = []
-        for site in sites:
-            trials.append(self._one(trainer, pl_module, network, view, site, probe, probe_before, loss_fn, device,
-                                    steps, holdout_batches, sync, level / max(1, len(sites))))  # fmt: skip
+        with progress_for(trainer) as step:
+            probe_before = per_sample_losses(view, Converted(counted(probe, step, "trials: probe losses"), trainer),
+                                             loss_fn, device)  # fmt: skip
+            for k, site in enumerate(sites):
+                label = f"trial {site} ({k + 1}/{len(sites)})"
+                trials.append(self._one(trainer, pl_module, network, view, site, probe, probe_before, loss_fn,
+                                        device, steps, holdout_batches, sync, level / max(1, len(sites)), step,
+                                        label))  # fmt: skip
         verdict = trial_verdict(trials, self.min_gain, chance=self._chance(trainer, probe, probe_before, loss_fn))
         if trainer.world_size > 1:  # one decision on every rank: rank 0's
             verdict, trials = trainer.strategy.broadcast((verdict, trials), src=0)
@@ -124,22 +133,27 @@ class BlockTrials:
         return verdict, trials
 
     def _one(self, trainer, pl_module, network, view, site, probe, probe_before, loss_fn, device, steps,
-             holdout_batches, sync, level) -> dict:  # fmt: skip
+             holdout_batches, sync, level, step: Steps, label: str) -> dict:  # fmt: skip
         seed = self.seed * 100003 + self.trials
         self.trials += 1
         held: list = []
         batches = self._train_batches(trainer, pl_module, held)
-        held.extend(next(batches) for _ in range(holdout_batches))  # the trial never trains on these
-        held_before = per_sample_losses(view, held, loss_fn, device) if held else torch.zeros(0, dtype=torch.float64)
+        for i in range(holdout_batches):  # the trial never trains on these
+            held.append(next(batches))
+            step(i + 1, holdout_batches, f"{label}: hold out")
+        held_before = self._losses(view, held, loss_fn, device, step, f"{label}: held-out losses")
         log_len = len(network.growth_log)
         block = network.grow(site, network.new_block(site, seed=seed))
         try:
+            train = f"{label}: train block"
             fit = train_block(view, pl_module, block, batches, loss_fn, steps=steps, lr=self.lr, sync_grads=sync,
-                              any_rank=self._any_rank(trainer))  # fmt: skip
+                              any_rank=self._any_rank(trainer),
+                              progress=lambda done, total: step(done, total, train))  # fmt: skip
             if fit["diverged"]:
                 return {"site": site, "diverged": True, "steps": fit["steps"]}
-            probe_after = per_sample_losses(view, Converted(probe, trainer), loss_fn, device)
-            held_after = per_sample_losses(view, held, loss_fn, device) if held else torch.zeros(0, dtype=torch.float64)
+            scored = Converted(counted(probe, step, f"{label}: score on the probe"), trainer)
+            probe_after = per_sample_losses(view, scored, loss_fn, device)
+            held_after = self._losses(view, held, loss_fn, device, step, f"{label}: score held-out")
         finally:
             network.undo_growth([block], log_len)  # bit-for-bit the network before the trial
         before = torch.cat([probe_before, held_before])
@@ -149,6 +163,13 @@ class BlockTrials:
         probe_gain = float((probe_before - probe_after).mean() / probe_before.mean())
         return {"site": site, "diverged": False, "steps": fit["steps"], "n_probe": probe_before.numel(),
                 "n_holdout": held_before.numel(), "probe_gain_frac": probe_gain, **test}  # fmt: skip
+
+    @staticmethod
+    def _losses(view, held: list, loss_fn, device, step: Steps, what: str) -> torch.Tensor:
+        """Per-sample losses of the held-back batches (none: an empty tensor), shown as ``what``."""
+        if not held:
+            return torch.zeros(0, dtype=torch.float64)
+        return per_sample_losses(view, counted(held, step, what), loss_fn, device)
 
     @staticmethod
     def _chance(trainer: Trainer, probe: Any, losses: torch.Tensor, loss_fn: Any) -> str | None:

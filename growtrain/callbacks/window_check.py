@@ -52,7 +52,8 @@ class WindowRule:
         self.entries.append({"epoch": int(epoch), "losses": losses.double().cpu().tolist(),
                              "signature": signatures.double().cpu().tolist()})  # fmt: skip
         self.entries = window_prune(self.entries, epoch, self.window)
-        record = {"saturated": verdict.saturated, "reason": verdict.reason, "window": self.window,
+        record = {"saturated": verdict.saturated, "certified": verdict.certified, "reason": verdict.reason,
+                  "window": self.window,
                   "reference_epoch": None if reference is None else int(reference["epoch"]), "epoch": int(epoch),
                   "min_gain": self.min_gain, "loss_now": float(losses.double().mean())}  # fmt: skip
         if test is not None:

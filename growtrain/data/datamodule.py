@@ -69,6 +69,13 @@ class NormalizeCollate:
         return normalize_batch(x, self.mean, self.std), y
 
 
+# Datasets that read no file, so a ``root`` has nothing to point at: why, for the error
+_NO_FILES = {
+    "fashion-mnist-mini": "its images ship inside the package",
+    "synthetic": "its images are generated from seed",
+}
+
+
 def _bad(arg: str, expected: str, given: Any, fix: str) -> ValueError:
     return ValueError(f"{arg}: expected {expected}; got {given!r}. Fix: {fix}.")
 
@@ -79,7 +86,8 @@ class ImageDataModule(lightning.LightningDataModule):
     Args:
         dataset: a name in `growtrain.data.DATASETS` (default: the Fashion-MNIST subset that
             ships with the package, so `fit` works offline with no download).
-        root: where the files are; `None` = the dataset's default search paths.
+        root: where the files are; `None` = the dataset's default search paths. Must be `None`
+            for `fashion-mnist-mini` and `synthetic`, which read no file (an error otherwise).
         batch_size: train batch size (paper: 128).
         probe_size: images held out for the growth probe. 2000 by default: enough samples for
             the certified test to have power, and it still leaves 5000 train images on the
@@ -121,6 +129,11 @@ class ImageDataModule(lightning.LightningDataModule):
         if type(self) is ImageDataModule:  # subclasses record their own arguments
             self.save_hyperparameters()
         check_name(dataset, "dataset")
+        if root is not None and dataset in _NO_FILES:
+            # a root given here was meant for files: training silently on other images is the worse outcome
+            raise _bad("root", f"None for dataset={dataset!r}: {_NO_FILES[dataset]}, so root would be unused", root,
+                       f"drop root, or pass the dataset whose files are in {str(root)!r} (dataset=fashion-mnist, "
+                       "cifar10, cifar100 or imagefolder)")  # fmt: skip
         for arg, v, lo in (("batch_size", batch_size, 1), ("probe_size", probe_size, 0),
                            ("val_size", val_size, 0), ("num_workers", num_workers, 0),
                            ("eval_batch_size", eval_batch_size, 1),

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import copy
 import types
+import warnings
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary
@@ -22,11 +23,13 @@ from lightning.pytorch.callbacks.model_summary import log
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.types import EVAL_DATALOADERS, TRAIN_DATALOADERS
 from torch.utils.data import DataLoader
 
-from growtrain.callbacks import GammaTracePlot, growth_callbacks
+from growtrain.callbacks import GammaTracePlot, RandomStateCheckpoint, growth_callbacks
 from growtrain.callbacks._select import as_callback_list
 from growtrain.quiet import quiet_upstream_noise
+from growtrain.resume import continue_run_folder
 
 __all__ = ["BaseGrowTrainer", "sibling_trainer", "evaluate"]
 
@@ -37,8 +40,13 @@ class BaseGrowTrainer(Trainer):
     Takes exactly ``lightning.Trainer``'s arguments and keeps them in ``init_kwargs`` so an
     experiment can build sibling trainers with the same settings. When a
     ``GrowUntilSaturated`` callback is configured, a :class:`growtrain.callbacks.GammaTracePlot`
-    is added so ``fit`` also writes ``gamma_trace.png`` next to the logs.
+    is added so ``fit`` also writes ``gamma_trace.png`` next to the logs. Every trainer gets a
+    :class:`growtrain.callbacks.RandomStateCheckpoint` (the random state in its checkpoints, so a
+    resumed fit trains on the batches the uninterrupted one would have), and ``fit`` resumed from
+    ``…/version_N/checkpoints/*.ckpt`` logs on into ``version_N/`` (``growtrain.resume``).
     """
+
+    continues_run_folder = True  # fit(ckpt_path=…) writes on into the checkpoint's run folder (growtrain.resume)
 
     def __init__(self, **kwargs: Any) -> None:
         self.init_kwargs: dict[str, Any] = dict(kwargs)
@@ -48,12 +56,34 @@ class BaseGrowTrainer(Trainer):
             callbacks = callbacks + [GammaTracePlot()]
         if kwargs.get("enable_model_summary") is not False and not any(isinstance(cb, ModelSummary) for cb in callbacks):
             callbacks = callbacks + [SummaryWithoutZeroFlops()]
+        if not any(isinstance(cb, RandomStateCheckpoint) for cb in callbacks):
+            callbacks = callbacks + [RandomStateCheckpoint()]
         if callbacks:
             kwargs["callbacks"] = callbacks
         super().__init__(**kwargs)
         bar = self.progress_bar_callback
         if bar is not None and "get_metrics" not in vars(bar):
             bar.get_metrics = types.MethodType(_metrics_without_version, bar)
+
+    def fit(
+        self,
+        model: LightningModule,
+        train_dataloaders: Optional[Union[TRAIN_DATALOADERS, LightningDataModule]] = None,
+        val_dataloaders: Optional[EVAL_DATALOADERS] = None,
+        datamodule: Optional[LightningDataModule] = None,
+        ckpt_path: Optional[Union[str, Path]] = None,
+        weights_only: Optional[bool] = None,
+    ) -> None:
+        # Same signature as Trainer.fit: LightningCLI reads the fit subcommand's arguments from it.
+        # A resumed fit logs on into the checkpoint's version_N/ (one metrics.csv per run); its
+        # checkpoints/ folder is then, as expected, not empty: Lightning's warning says nothing then.
+        if continue_run_folder(self, ckpt_path) is None:
+            return super().fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+            return super().fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)
+
+    fit.__doc__ = Trainer.fit.__doc__
 
 
 def _metrics_without_version(bar, trainer, pl_module):

@@ -36,6 +36,8 @@ __all__ = [
     "architecture_digest",
     "load_checkpoint_into",
     "read_checkpoint_into",
+    "read_checkpoint",
+    "apply_checkpoint",
     "mean_std",
     "module_at_depth",
     "module_with_stages",
@@ -234,14 +236,31 @@ def load_checkpoint_into(module: LightningModule, ckpt_path: str | os.PathLike) 
 def read_checkpoint_into(module: LightningModule, ckpt_path: str | os.PathLike) -> dict:
     """:func:`load_checkpoint_into`, returning the checkpoint (its callbacks' states included),
     so a caller that needs more of it does not read the file twice."""
+    checkpoint = read_checkpoint(ckpt_path)
+    apply_checkpoint(module, checkpoint)
+    return checkpoint
+
+
+def read_checkpoint(ckpt_path: str | os.PathLike, *, mmap: bool = False) -> dict:
+    """The checkpoint file as a dict, checked first (a missing or truncated file is an error that
+    names it). ``mmap=True`` maps the tensors instead of reading them: a look at its other
+    entries (the datamodule's split, the callbacks' states) costs no copy of the weights."""
     path = Path(ckpt_path)
     if not path.is_file():
         raise FileNotFoundError(f"ckpt_path: no checkpoint file at {str(path)!r}")
     check_checkpoint_file(path)
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    if mmap:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # torch's legacy (pickle) format cannot be mapped: read it
+            pass
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def apply_checkpoint(module: LightningModule, checkpoint: dict) -> None:
+    """Load a read checkpoint into ``module`` in Lightning's order (growth replayed first)."""
     module.on_load_checkpoint(checkpoint)
     module.load_state_dict(checkpoint["state_dict"])
-    return checkpoint
 
 
 # -- data ---------------------------------------------------------------------------------------

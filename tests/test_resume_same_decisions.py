@@ -1,0 +1,101 @@
+"""An interrupted quickstart resumes into the same decisions, in the same run folder.
+
+The shipped ``configs/quickstart.yaml`` through the CLI, cut to seconds (fewer images, a smaller
+batch, patience 1, a one-epoch anneal, a trial on one site with a small hold-out), but with its
+own data, probe, plateau trigger, stage anneal and trial decision. One fit runs through; a
+second one stops at the end of the epoch of its first growth check (``trainer.should_stop``
+from a test callback, as Ctrl-C after a checkpoint would leave it) and is resumed from its
+``last.ckpt`` with ``growtrain fit … --ckpt_path``. The resumed fit must make the checks the
+uninterrupted one made after that point (epochs, actions, sites, every verdict figure), end on
+the same weights, and write on into the same ``version_0/``. Without the random state in the
+checkpoint (``growtrain.callbacks.RandomStateCheckpoint``) the resumed epochs see other batches
+and the later checks differ. About 30 s on one thread.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from growtrain.cli import GrowtrainCLI
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+
+# The growth callback is the last of the quickstart's callbacks: --trainer.callbacks.X sets its X.
+SHRINK = [
+    "--trainer.max_epochs=14", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+    "--data.train_subset=400", "--data.probe_size=200", "--data.val_size=200", "--data.batch_size=32",
+    "--trainer.callbacks.patience=1", "--trainer.callbacks.min_rel_delta=0.02", "--trainer.callbacks.anneal_epochs=1",
+    "--trainer.callbacks.trial_sites=1", "--trainer.callbacks.trial_holdout=200", "--trainer.callbacks.verbose=false",
+]  # fmt: skip
+
+# What a check decided and every figure it decided on (growth_history.json's fields)
+DECISION = ("check", "epoch", "step", "action", "site", "sites", "depth", "saturated", "gamma", "threshold", "lower",
+            "margin", "reason", "trial", "verdicts", "site_scores")  # fmt: skip
+
+
+def _args(root: Path, *extra: str) -> list[str]:
+    return ["fit", f"--config={CONFIG}", f"--trainer.default_root_dir={root}", *SHRINK, *extra]
+
+
+def _grower(trainer):
+    (grower,) = [cb for cb in trainer.callbacks if type(cb).__name__ == "GrowUntilSaturated"]
+    return grower
+
+
+def _decisions(history: list[dict]) -> list[dict]:
+    return [{key: record.get(key) for key in DECISION} for record in history]
+
+
+class StopAtEpochEnd(L.Callback):
+    """Ends the fit at the end of epoch ``epoch``, after that epoch's checks and its last.ckpt."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch == self.epoch:
+            trainer.should_stop = True
+
+
+def _metrics_epochs(path: Path) -> list[int]:
+    with open(path, newline="") as file:
+        return sorted({int(float(row["epoch"])) for row in csv.DictReader(file) if row.get("epoch")})
+
+
+def test_a_stopped_and_resumed_quickstart_makes_the_uninterrupted_checks(tmp_path):
+    whole = GrowtrainCLI(args=_args(tmp_path / "whole"))
+    expected = _decisions(_grower(whole.trainer).history)
+    stop = expected[0]["epoch"]  # right after the first check (a growth: the checkpoint holds the grown network)
+    later = [r for r in expected if r["epoch"] > stop]
+    # the cut-down fit must still judge something after the resume point, or the comparison is empty
+    assert expected[0]["action"] == "grow" and any(r["action"] != "budget" for r in later), expected
+
+    # the same fit, stopped at the end of epoch `stop` (built as the CLI builds it; run=False to add the stop)
+    stopped = GrowtrainCLI(args=_args(tmp_path / "resumed")[1:], run=False)  # run=False: no subcommand
+    stopped.trainer.callbacks.append(StopAtEpochEnd(stop))
+    stopped.trainer.fit(stopped.model, datamodule=stopped.datamodule)
+    assert stopped.trainer.current_epoch == stop + 1
+    run = Path(stopped.trainer.log_dir)
+    last = run / "checkpoints" / "last.ckpt"
+    assert last.is_file() and run.name == "version_0"
+
+    resumed = GrowtrainCLI(args=_args(tmp_path / "resumed", f"--ckpt_path={last}"))
+    got = _decisions(_grower(resumed.trainer).history)
+    assert [(r["epoch"], r["action"], r["site"]) for r in got] == [(r["epoch"], r["action"], r["site"]) for r in expected]
+    assert got == expected  # every figure, bit for bit (one CPU thread)
+    assert resumed.trainer.current_epoch == whole.trainer.current_epoch
+    for (name, a), (_, b) in zip(whole.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), name
+
+    # one run folder: the resumed fit wrote on into version_0/, metrics.csv holds every epoch once
+    assert Path(resumed.trainer.log_dir) == run
+    assert sorted(p.name for p in run.parent.iterdir()) == ["version_0"]
+    assert _metrics_epochs(run / "metrics.csv") == list(range(whole.trainer.current_epoch))
+    whole_run = Path(whole.trainer.log_dir)
+    with open(whole_run / "metrics.csv", newline="") as a, open(run / "metrics.csv", newline="") as b:
+        assert len(list(csv.DictReader(a))) == len(list(csv.DictReader(b)))  # no row twice, none lost
+    assert (run / "growth_history.json").read_text() == (whole_run / "growth_history.json").read_text()
