@@ -2,7 +2,8 @@
 
 Data flow at each check (docs/design.md, "Growth step")::
 
-    train-loss plateau → measure_saturation (all sites, one pass) → verdict (growtrain.decision)
+    schedule (a plateau, or every K epochs) → measure_saturation (all sites, one pass) → verdict
+    (trial / window / rule)
     → network.grow (function-preserving, verified, rolled back on failure) → zero-state optimizer
     → DDP re-wrap → history / loggers / table / growth_history.json
 
@@ -28,7 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from growtrain import decision as dec
-from growtrain.callbacks import editor, sharded, telemetry
+from growtrain.callbacks import editor, schedule, sharded, telemetry
 from growtrain.callbacks.editor import FunctionChangedError
 from growtrain.callbacks.growth_config import GrowthConfig
 from growtrain.callbacks.anneal import StageAnnealMixin
@@ -55,8 +56,6 @@ from growtrain.saturation_report import best_scored_site, rank_sites
 
 __all__ = ["GrowUntilSaturated", "FunctionChangedError"]
 
-_UNSUPPORTED_STRATEGIES = sharded.REFUSED  # strategy class name -> (reason, supported alternative)
-
 
 class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, StageMonitorMixin, Callback):
     """Insert function-preserving blocks while the certified test says depth still pays.
@@ -66,12 +65,15 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         trainer = lightning.Trainer(callbacks=[GrowUntilSaturated(on_saturated="anneal")])
         trainer.fit(ImageClassifier(in_channels=1), ImageDataModule())
 
-    By default a check runs when the training loss has plateaued (the current stage has
-    converged); the first check grows where a new block certifies first-order gain, and every
-    later one grows again only if the last block lowered the held-out probe loss by a certified
-    more than ``min_gain`` (1 %) of it (docs/decision.md). For a constant-rate optimizer,
-    ``lr_schedule="anneal"`` checks annealed stages (the measured protocol of the shipped
-    configs). Your own LightningModule: keep the growable network as a submodule
+    Two schedules say when a check comes. ``schedule="converged"`` (the default, the paper's
+    protocol): when the monitored loss has plateaued (the stage has converged; with
+    ``lr_schedule="anneal"`` after a cosine anneal of the stage), and every check trains a fresh
+    block alone at the best first-order site of each stage and grows where one lowers the
+    held-out loss by a certified more than ``min_gain`` (1 %) of it (``decision="trial"``).
+    ``schedule="periodic"``: a check every ``every_n_epochs`` at the constant rate, growing at the
+    best first-order site until the run's own probe loss has not fallen by a certified
+    ``min_gain`` over the last ``window`` epochs (``decision="window"``), then one final anneal
+    (docs/decision.md). Your own LightningModule: keep the growable network as a submodule
     (``cifar_resnet``, ``GrowableStack``), add ``GrowableModuleMixin`` for checkpoints, build
     the optimizer from ``growtrain.optim.param_groups(network)`` so resumed runs line up, log
     ``train_loss`` per epoch, and give the callback a probe (``probe=`` or
@@ -133,7 +135,7 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             fell from the check that grew to this one by a certified (one-sided bootstrap-t
             lower bound at level α, paired over the probe samples, which must be the same
             samples in the same order: their fingerprints are checked) amount of more than
-            ``min_gain`` × the probe loss at that growth; otherwise the run is saturated ("depth stopped paying"). The per-sample
+            ``min_gain`` × the probe loss at that growth; otherwise growth ends ("no certified gain: depth stopped paying"). The per-sample
             losses come from the probe pass itself (under DDP: one extra forward pass). Scale-free
             (both sides scale with the loss). Why: on an annealed network the first-order
             statistics sit at their noise floor at every depth (docs/decision.md).
@@ -158,7 +160,7 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             after a growth. ``"rule"`` (``min_gain=None``): the first-order rule alone.
         top_k: grow at up to this many distinct certified sites per check.
         max_growths, max_blocks, max_params: budgets; reaching one ends growth (reason "budget").
-        on_saturated: when growth ends, ``"stop"`` ends ``fit`` (saturated) ; ``"continue"`` keeps
+        on_saturated: when growth ends, ``"stop"`` ends ``fit``; ``"continue"`` keeps
             training at that depth with no further checks; ``"anneal"`` trains the final network
             for ``anneal_epochs`` more epochs with the learning rate annealed by a cosine from its
             current value to 0, then stops (also after a budget), so one fit yields a finished model.
@@ -170,7 +172,7 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
             drives the learning rate (no scheduler allowed): each stage trains at the optimizer's
             constant rate until it has converged, the rate is then cosine-annealed towards 0 over
             ``anneal_epochs``, the *annealed* network is checked, and after a growth the new stage
-            starts at the constant rate again (warm restarts). A saturated network is then
+            starts at the constant rate again (warm restarts). The network growth ends on is then
             already annealed, so ``on_saturated="anneal"`` stops at once. Why: at a constant rate
             the stage sits on SGD's noise floor and the probe gradients of old and new terminal
             maps are of one size, whatever the depth (docs/decision.md).
@@ -182,7 +184,8 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
 
     Attributes:
         history: one plain dict per check (``epoch``, ``step``, ``site``, ``gamma``,
-            ``threshold``, ``saturated``, ``params``, ``depth``, ``reason``, ``rule``, ``margin``,
+            ``threshold``, ``saturated`` (true only where ``certified``), ``certified``, ``params``,
+            ``depth``, ``reason``, ``rule``, ``margin``,
             ``lower``, ``reference``, ``ratio``, ``verdicts``, ``level``, ``action``, ...).
     """
 
@@ -258,7 +261,7 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._check_strategy(trainer)
+        sharded.check_strategy(trainer, self.rule)
         self._network = self._resolve_network(pl_module, required=not self._builds_late(pl_module))
         if sharded.is_model_parallel(trainer.strategy) and self.decision == "trial":
             why = ("decision: 'trial' (block-only trials) is not supported under FSDP2 (ModelParallelStrategy) yet: "
@@ -326,31 +329,6 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
                 f"check), but the network's optimizer has a scheduler ({', '.join(schedulers)}) that would fight it. "
                 "Fix: return no lr_scheduler from configure_optimizers, or use lr_schedule='restart' to restart "
                 "your schedule per stage."
-            )
-
-    def _check_strategy(self, trainer: Trainer) -> None:
-        strategy = trainer.strategy
-        names = {cls.__name__ for cls in type(strategy).__mro__}
-        for name, (why, instead) in _UNSUPPORTED_STRATEGIES.items():
-            if name in names:
-                raise RuntimeError(
-                    f"strategy: GrowUntilSaturated does not support {type(strategy).__name__} ({why}). "
-                    f"Supported: one device, strategy='ddp', and FSDP2. Fix: use {instead}."
-                )
-        if sharded.is_model_parallel(strategy):  # FSDP2: data parallel only, no rule="relative"
-            return sharded.check_model_parallel(trainer, self.rule)
-        launcher = getattr(strategy, "launcher", None)
-        if launcher is not None and type(launcher).__name__ == "_MultiProcessingLauncher":
-            raise RuntimeError(
-                f"strategy: GrowUntilSaturated does not support spawn/fork-based DDP "
-                f"(start_method={getattr(strategy, '_start_method', '?')!r}): Lightning copies rank 0's weights back "
-                "into the un-grown parent model with strict=False, silently dropping the grown blocks. "
-                "Fix: use strategy='ddp' (subprocess launcher) and run your script from the command line."
-            )
-        if trainer.world_size > 1 and not hasattr(strategy, "configure_ddp"):
-            raise RuntimeError(
-                f"strategy: {type(strategy).__name__} with {trainer.world_size} processes is not supported; "
-                "use strategy='ddp'."
             )
 
     @staticmethod
@@ -435,27 +413,14 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
 
     def _warn_no_room(self, trainer: Trainer) -> None:
         """A fit whose ``max_epochs`` leaves no epoch outside the reserved final anneal cannot grow: say so."""
-        max_epochs = trainer.max_epochs
-        if self.on_saturated != "anneal" or self.finished is not None or max_epochs is None or max_epochs < 0:
-            return
-        if max_epochs - trainer.current_epoch <= self.anneal_epochs + 1:
-            rank_zero_warn(f"GrowUntilSaturated: max_epochs={max_epochs} leaves no epoch to grow in: the last "
-                           f"anneal_epochs={self.anneal_epochs} are reserved for the final anneal (on_saturated="
-                           f"'anneal'), so growth ends at the first epoch as a budget. Fix: raise max_epochs, lower "
-                           "anneal_epochs, or pass on_saturated='stop'.", category=UserWarning)  # fmt: skip
+        why = schedule.no_room(trainer.max_epochs, trainer.current_epoch, self.anneal_epochs, self.on_saturated,
+                               self.finished)  # fmt: skip
+        if why is not None:
+            rank_zero_warn(f"GrowUntilSaturated: {why}", category=UserWarning)
 
     def _final_reserved(self, trainer: Trainer) -> str | None:
-        """With ``on_saturated="anneal"`` the final phase is reserved inside ``max_epochs``: once no
-        more than ``anneal_epochs`` epochs are left after this one, growth ends (a budget) and the
-        final anneal trains the network it hands over, so no fit hands over a network cut mid-stage."""
-        max_epochs = trainer.max_epochs
-        if self.on_saturated != "anneal" or self.finished is not None or max_epochs is None or max_epochs < 0:
-            return None
-        left = max_epochs - (trainer.current_epoch + 1)
-        if left > self.anneal_epochs:
-            return None
-        return (f"max_epochs={max_epochs}: the last {self.anneal_epochs} epoch(s) are reserved for the final anneal "
-                f"({left} left after epoch {trainer.current_epoch})")  # fmt: skip
+        return schedule.final_reserved(trainer.max_epochs, trainer.current_epoch, self.anneal_epochs,
+                                       self.on_saturated, self.finished)  # fmt: skip
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._network is None:

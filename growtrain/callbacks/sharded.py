@@ -33,7 +33,7 @@ from torch import nn
 from growtrain import fsdp
 from growtrain.growable import replay_growth
 
-__all__ = ["is_model_parallel", "check_model_parallel", "equal_shards", "shard_probe", "compute_dtype", "install_resume", "growth_records",
+__all__ = ["check_strategy", "is_model_parallel", "check_model_parallel", "equal_shards", "shard_probe", "compute_dtype", "install_resume", "growth_records",
            "zero_state", "REFUSED"]  # fmt: skip
 
 # Strategy class name → (why growth cannot run under it, what to use instead).
@@ -192,3 +192,30 @@ def install_resume(trainer: Any, network_of: Callable[[], nn.Module]) -> None:
 
     strategy.load_checkpoint = load_checkpoint
     strategy._growtrain_resume = True
+
+
+def check_strategy(trainer: Any, rule: str) -> None:
+    """Refuse, before any state changes, a strategy the growth callback cannot follow."""
+    strategy = trainer.strategy
+    names = {cls.__name__ for cls in type(strategy).__mro__}
+    for name, (why, instead) in REFUSED.items():
+        if name in names:
+            raise RuntimeError(
+                f"strategy: GrowUntilSaturated does not support {type(strategy).__name__} ({why}). "
+                f"Supported: one device, strategy='ddp', and FSDP2. Fix: use {instead}."
+            )
+    if is_model_parallel(strategy):  # FSDP2: data parallel only, no rule="relative"
+        return check_model_parallel(trainer, rule)
+    launcher = getattr(strategy, "launcher", None)
+    if launcher is not None and type(launcher).__name__ == "_MultiProcessingLauncher":
+        raise RuntimeError(
+            f"strategy: GrowUntilSaturated does not support spawn/fork-based DDP "
+            f"(start_method={getattr(strategy, '_start_method', '?')!r}): Lightning copies rank 0's weights back "
+            "into the un-grown parent model with strict=False, silently dropping the grown blocks. "
+            "Fix: use strategy='ddp' (subprocess launcher) and run your script from the command line."
+        )
+    if trainer.world_size > 1 and not hasattr(strategy, "configure_ddp"):
+        raise RuntimeError(
+            f"strategy: {type(strategy).__name__} with {trainer.world_size} processes is not supported; "
+            "use strategy='ddp'."
+        )
