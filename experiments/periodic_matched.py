@@ -13,7 +13,7 @@ plus its checks (one forward and backward pass over the probe per check, at the 
 check) and ``F_epoch`` the arm's training FLOPs per epoch (3 × forward FLOPs × training images).
 
     python experiments/periodic_matched.py runs/periodic_full/split0 --seeds 0 1 2 --dstar 3 2 2 \\
-        -- --data.init_args.dataset=fashion-mnist --data.init_args.root=/usr/share/datasets/fashion-mnist
+        --data.init_args.dataset=fashion-mnist --data.init_args.root=/usr/share/datasets/fashion-mnist
 
 Rows go to ``<folder>/matched/<arm>/runs.jsonl`` (resumable: a finished row is skipped, a cut
 training resumes from its last epoch checkpoint); ``<folder>/matched/plan.jsonl`` records each
@@ -73,8 +73,7 @@ def main() -> None:
     parser.add_argument("--probe-size", type=int, default=2000)
     parser.add_argument("--arms", nargs="+", default=["found", "dstar"])
     parser.add_argument("--config", default="configs/fmnist/periodic.yaml")
-    parser.add_argument("overrides", nargs="*", help="growtrain overrides after --")
-    args = parser.parse_args()
+    args, overrides = parser.parse_known_args()  # anything else: growtrain overrides (--data.init_args...)
     folder = Path(args.folder)
     rows = {json.loads(line)["seed"]: json.loads(line) for line in open(folder / "runs.jsonl")}
     out = folder / "matched"
@@ -96,7 +95,7 @@ def main() -> None:
             cmd = ["growtrain", "stopping", "--config", args.config, "--skip_scratch=true", f"--seeds=[{seed}]",
                    f"--output_dir={out / name}", f"--trainer.default_root_dir={out / name}",
                    f"--trainer.max_epochs={epochs}", f"--model.init_args.blocks=[{','.join(map(str, sizes))}]",
-                   f"{cb}.max_growths=0", f"{cb}.every_n_epochs=1000", f"{cb}.window=1000", *args.overrides]  # fmt: skip
+                   f"{cb}.max_growths=0", f"{cb}.every_n_epochs=1000", f"{cb}.window=1000", *overrides]  # fmt: skip
             print(" ".join(cmd), flush=True)
             with open(out / f"{name}_seed{seed}.log", "a") as log:
                 subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,

@@ -24,6 +24,11 @@ from torchmetrics.classification import MulticlassAccuracy
 from growtrain.growable import replay_growth, resolve_network
 from growtrain.models import cifar_resnet
 from growtrain.optim import param_groups, paper_sgd
+from growtrain.quiet import quiet_upstream_noise
+
+# a plain script that trains a growtrain module with Lightning's own Trainer: no tips or LeafSpec
+# deprecation it cannot act on (growtrain/quiet.py; message by message, growtrain's own kept)
+quiet_upstream_noise()
 
 __all__ = ["ConfiguredOptimizerMixin", "GrowableModuleMixin", "ImageClassifier", "SharedStepsMixin", "WeightedMean"]
 

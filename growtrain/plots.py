@@ -68,6 +68,12 @@ def _trial(record: dict) -> dict | None:
     return record.get("trial") or (record.get("verdicts") or {}).get("trial")
 
 
+def _window(record: dict) -> dict | None:
+    """The window rule's verdict of a check (``decision="window"``, the periodic schedule), if any."""
+    window = record.get("window")
+    return window if isinstance(window, dict) else (record.get("verdicts") or {}).get("window")
+
+
 def _best_trial(trial: dict) -> dict | None:
     """The tried block the verdict rests on: the best certified lower bound among the trials that did not diverge."""
     usable = [t for t in trial.get("trials") or [] if not t.get("diverged") and t.get("lower_frac") is not None]
@@ -116,7 +122,11 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
 
     Top, what decided: with ``decision="trial"`` (a ``trial`` record) the block-only trials —
     the best tried block's held-out gain (fraction of the loss), its certified lower bound and
-    ``min_gain`` (grow when the bound is above it); with ``decision="gain"`` each later check's
+    ``min_gain`` (grow when the bound is above it); with ``decision="window"`` (a ``window`` record,
+    the periodic schedule) the probe loss's paired fall over the last ``window`` epochs in % of the
+    loss, its certified lower bound (grow when above ``min_gain``) and its upper bound ("certified
+    saturation" when below), checks whose window was not full yet marked at the bottom of the panel
+    (nothing compared: they grow); with ``decision="gain"`` each later check's
     certified gain of the last block against what it needed (``min_gain`` × the probe loss at
     that growth). Then the first-order test — the best site's certified (cross-fit) lower bound
     against the rule's threshold (``margin``: δ, or τ·R for the relative rule); with
@@ -139,20 +149,22 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
     measured = [h for h in history if h.get("gamma") is not None]  # budget stops run no probe
     gains = [h for h in measured if _gain(h)]
     trials = [h for h in history if _trial(h) and _best_trial(_trial(h))]
+    windows = [h for h in history if _window(h)]
     paper = bool(measured) and all(h.get("rule") == "paper" for h in measured)
-    rows = 2 + bool(gains) + bool(trials)
+    rows = 2 + bool(gains) + bool(trials) + bool(windows)
     fig = _figure((8.5, 2.3 * rows + 1.0))
     axes = fig.subplots(rows, 1, sharex=True, height_ratios=[2] * (rows - 1) + [1.2])
-    # what decided comes first (the trials, or the realized gain), then the first-order test that
-    # chose the sites or decided itself, then the paper's quantities
-    names = ["trial"] * bool(trials) + ["gain"] * bool(gains) + ["first", "paper"]
+    # what decided comes first (the window, the trials, or the realized gain), then the first-order
+    # test that chose the sites or decided itself, then the paper's quantities
+    names = ["window"] * bool(windows) + ["trial"] * bool(trials) + ["gain"] * bool(gains) + ["first", "paper"]
     panel = dict(zip(names, axes))
     first, paper_ax, trial_ax, gain_ax = panel["first"], panel["paper"], panel.get("trial"), panel.get("gain")
+    window_ax = panel.get("window")
     # -- the first-order test: lower bound vs threshold (or Γ̂ vs δ+t for the paper rule) ---------------------
     value_key, need_key = ("gamma", "threshold") if paper else ("lower", "margin")
     pts = [h for h in measured if h.get(value_key) is not None]
     for decided in (True, False):
-        sel = [h for h in pts if (not _gain(h) and not _trial(h)) == decided]
+        sel = [h for h in pts if (not _gain(h) and not _trial(h) and not _window(h)) == decided]
         if sel:
             first.plot([h[xkey] for h in sel], [h[value_key] for h in sel], "o", color="C0",
                        fillstyle="full" if decided else "none",
@@ -164,7 +176,11 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
                    label=r"$\delta+t$: grow above" if paper else "threshold (δ or τ·R): grow above")  # fmt: skip
     first.set_ylabel("gradient norm")
     what = "Γ̂ against δ+t" if paper else "certified lower bound against its threshold"
-    first.set_title("first-order test: " + what + (" (chose the trial sites)" if trials else ""), fontsize=9, loc="left")
+    chose = " (chose the trial sites)" if trials else " (chose the site to grow)" if windows else ""
+    first.set_title("first-order test: " + what + chose, fontsize=9, loc="left")
+    # -- decision="window": the probe loss's fall over the window, its bounds, against min_gain (% of the loss) --
+    if window_ax is not None:
+        _window_panel(window_ax, windows, xkey)
     # -- decision="trial": the best tried block's held-out gain and its lower bound vs min_gain ------------------
     if trial_ax is not None:
         tx = [h[xkey] for h in trials]
@@ -202,6 +218,33 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
     return fig
+
+
+def _window_panel(ax, windows: Sequence[dict], xkey: str) -> None:
+    """decision="window": per check, the probe loss's paired fall since the window's reference check
+    (estimate, certified lower bound, upper bound; % of the loss then) against ``min_gain``; a check
+    whose window was not full yet compared nothing and is marked at the panel's bottom, not as a value."""
+    full = [h for h in windows if _window(h).get("gain_frac") is not None]
+    empty = [h for h in windows if _window(h).get("gain_frac") is None]
+    if full:
+        fx = [h[xkey] for h in full]
+        pct = lambda key: [100 * _window(h)[key] for h in full]  # noqa: E731
+        ax.plot(fx, pct("gain_frac"), "s", color="C2", fillstyle="none", label="window gain (estimate)")
+        ax.plot(fx, pct("lower_frac"), "^", color="C2", label="its certified lower bound (grow above min_gain)")
+        ax.plot(fx, pct("upper_frac"), "v", color="C1", fillstyle="none",
+                label="its upper bound (certified saturation below min_gain)")  # fmt: skip
+        ax.vlines(fx, pct("lower_frac"), pct("upper_frac"), color="C2", lw=0.8, alpha=0.6)  # the bounds' interval
+        _against_need(ax, fx, [100 * _window(h)["min_gain"] for h in full], "min_gain", "% of the probe loss", "")
+    if empty:
+        ax.plot([h[xkey] for h in empty], [0.04] * len(empty), "|", color="0.45", ms=12, mew=2,
+                transform=ax.get_xaxis_transform(), label="window not full yet: nothing compared (grows)")  # fmt: skip
+    if not full:
+        ax.text(0.5, 0.5, "no check's window was full yet: no gain measured", transform=ax.transAxes, ha="center",
+                va="center", color="0.45", fontsize=8)  # fmt: skip
+    span = sorted({_window(h).get("window") for h in windows if _window(h).get("window") is not None})
+    over = f"the last {span[0]} epochs" if len(span) == 1 else "the window"
+    ax.set_ylabel("% of the probe loss")
+    ax.set_title(f"window rule: the probe loss's paired fall over {over} against min_gain", fontsize=9, loc="left")
 
 
 def _mark_events(axes, history: Sequence[dict], xkey: str) -> None:

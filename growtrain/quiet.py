@@ -1,5 +1,8 @@
-"""Upstream messages a growtrain user cannot act on, silenced where growtrain is the entry point
-(the ``growtrain`` CLI and growtrain's trainers). Each filter matches one message:
+"""Upstream messages a growtrain user cannot act on, silenced where growtrain is the entry point:
+the ``growtrain`` CLI, growtrain's trainers, and a plain Python script that uses growtrain's
+Lightning parts (importing ``growtrain.module`` or ``growtrain.callbacks`` — every module class
+and every callback goes through one of them — installs the filters once). Each filter matches one
+message, and nothing of growtrain's own is filtered:
 
 - Lightning's "💡 Tip: For seamless cloud ..." adverts (litlogger, litmodels) and its
   "`tensorboardX` has been removed as a dependency" warning, printed when its default logger falls
@@ -38,10 +41,15 @@ _FILTER = _DropNoise()
 
 
 def quiet_upstream_noise() -> None:
-    """Install the filters (idempotent)."""
+    """Install the filters (idempotent; safe at import: no Lightning import, nothing else changed).
+
+    The log filter sits on Lightning's two rank-zero loggers and drops only the records in ``NOISE``.
+    The warning filters are appended, the lowest precedence: a filter the user set (``-W``,
+    ``warnings.simplefilter("always")``, pytest's ``filterwarnings``) decides before them."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if _FILTER not in logger.filters:
             logger.addFilter(_FILTER)
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
-    warnings.filterwarnings("ignore", message=r"Starting from v1\.9\.0, `tensorboardX` has been removed as a dependency")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated", append=True)
+    warnings.filterwarnings("ignore", message=r"Starting from v1\.9\.0, `tensorboardX` has been removed as a dependency",
+                            append=True)  # fmt: skip

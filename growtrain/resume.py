@@ -8,7 +8,8 @@
   resumes the fit (the ``growtrain fit`` command line as given, or ``trainer.fit(...,
   ckpt_path=...)`` from Python); :func:`interrupt_report` gathers their inputs from a trainer.
 
-Nothing here imports ``growtrain.callbacks`` (``GrowUntilSaturated`` imports this module).
+Nothing here imports ``growtrain.callbacks`` (``callbacks.rng_state`` imports this module, and
+``GrowUntilSaturated`` may).
 """
 
 from __future__ import annotations
@@ -125,16 +126,22 @@ class RunFolderCSVLogger(CSVLogger):
 def continue_run_folder(trainer: Any, ckpt_path: Any) -> Path | None:
     """Make ``trainer`` log into the run folder that holds ``ckpt_path``; returns that folder.
 
-    Only a checkpoint in ``<root>/version_N/checkpoints/`` and a ``CSVLogger`` (Lightning's
-    default when TensorBoard is not installed, as with growtrain) writing versions under the same
-    ``<root>`` with an automatic version (``version=None``) qualify; its version becomes N. Any
-    other case is left as it is (``None``): a logger with a version of its own, another logger
-    type, a checkpoint copied elsewhere.
+    Only the run's latest checkpoint (its ``metrics.csv`` holds nothing after the epoch that
+    followed it: at most the interrupted one, which is trained again) in
+    ``<root>/version_N/checkpoints/`` and a ``CSVLogger`` (Lightning's default when TensorBoard
+    is not installed, as with growtrain) writing versions under the same ``<root>`` with an
+    automatic version (``version=None``) qualify; its version becomes N. Any other case is left
+    as it is (``None``, a new ``version_N+1/``): an earlier checkpoint of the run (a branch), a
+    checkpoint that cannot be read, a logger with a version of its own, another logger type, a
+    checkpoint copied elsewhere.
     """
     found = run_folder_of(ckpt_path)
-    if found is None:
+    position = _checkpoint_position(ckpt_path) if found is not None else None
+    if found is None or position is None:
         return None
     root, version = found
+    if _logged_past(root / f"version_{version}" / "metrics.csv", epoch=position[0] + 1):
+        return None  # an earlier checkpoint than the run's last: a new branch, in a new folder (nothing is deleted)
     loggers = list(getattr(trainer, "loggers", []) or [])
     for i, logger in enumerate(loggers):
         if (type(logger) is not CSVLogger or logger._version is not None or logger._experiment is not None
@@ -142,11 +149,21 @@ def continue_run_folder(trainer: Any, ckpt_path: Any) -> Path | None:
             continue
         loggers[i] = RunFolderCSVLogger(
             save_dir=logger.save_dir, name=logger.name, version=version, prefix=logger._prefix,
-            flush_logs_every_n_steps=logger._flush_logs_every_n_steps, resume_at=_checkpoint_position(ckpt_path),
+            flush_logs_every_n_steps=logger._flush_logs_every_n_steps, resume_at=position,
         )  # fmt: skip
         trainer.loggers = loggers
         return Path(loggers[i].log_dir)
     return None
+
+
+def _logged_past(metrics: Path, epoch: int) -> bool:
+    """Does ``metrics`` (a ``metrics.csv``) hold rows of an epoch after ``epoch``? Then the fit
+    went on past the checkpoint's next epoch, and resuming from it is not resuming the run."""
+    try:
+        with open(metrics, newline="") as file:
+            return any((_number(row.get("epoch")) or 0) > epoch for row in csv.DictReader(file))
+    except OSError:
+        return False
 
 
 # -- the command that resumes an interrupted fit -------------------------------------------------
@@ -239,8 +256,10 @@ def interrupt_report(trainer: Any) -> str:
     loggers = getattr(trainer, "loggers", []) or []
     run_folder = getattr(loggers[0], "log_dir", None) if loggers else None
     argv = getattr(trainer, CLI_ARGV_ATTRIBUTE, None)
-    same = bool(getattr(trainer, "continues_run_folder", False)) and ckpt_path is not None and run_folder is not None \
-        and run_folder_of(ckpt_path) is not None \
+    # continue_run_folder's rule, as far as it can be told now: the checkpoint is the one of the epoch before
+    latest = saved is not None and saved.get("epoch") is not None and saved["epoch"] >= trainer.current_epoch - 1
+    same = bool(getattr(trainer, "continues_run_folder", False)) and latest and ckpt_path is not None \
+        and run_folder is not None and run_folder_of(ckpt_path) is not None \
         and os.path.abspath(Path(ckpt_path).parent.parent) == os.path.abspath(run_folder)  # fmt: skip
     return interrupted_message(epoch=trainer.current_epoch, argv=argv, ckpt_path=ckpt_path, saved=saved,
                                run_folder=run_folder, same_folder=same)  # fmt: skip

@@ -2,8 +2,9 @@
 per-check header, the end-of-fit summary, gamma_trace.png and growth_history.json — says
 "certified saturation" only for a stop whose verdict certified it (``Verdict.certified``: an
 upper bound on one more block's gain below the margin), and "no certified gain" otherwise; the
-word "saturated" never appears for an uncertified stop. (``growtrain measure``'s report is
-growtrain/experiments/measure.py's, not covered here.)"""
+word "saturated" never appears for an uncertified stop. (``growtrain measure``'s report, whose
+first-order stops certify nothing: tests/test_measure_story.py; ``growtrain stopping``'s caption:
+tests/test_stopping_plot.py.)"""
 
 from __future__ import annotations
 

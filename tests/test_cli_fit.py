@@ -194,6 +194,43 @@ def test_default_root_dir_moves_every_output(tmp_path, monkeypatch):
     assert not ours, [f"{w.filename}:{w.lineno}: {w.message}" for w in ours]
 
 
+def test_a_fit_of_no_epoch_warns_once_shows_its_depth_and_names_only_files_it_wrote(tmp_path, monkeypatch):
+    """`growtrain fit --config configs/quickstart.yaml --trainer.max_epochs=0` (shrunk, with its default
+    logger): growtrain warns once that no check ran; the summary gives the depth the network has (no check,
+    no growth: 3 → 3, though training never started), says why in one line instead of repeating the
+    warning, and names no metrics.csv: nothing was logged, so none was written."""
+    import io
+    import warnings
+
+    from rich.console import Console
+
+    import growtrain
+    from growtrain.callbacks import telemetry
+
+    printed: list[str] = []
+
+    def capture(trainer, renderable, **kw):
+        buffer = io.StringIO()
+        Console(file=buffer, width=300, color_system=None).print(renderable)
+        printed.append(buffer.getvalue())
+
+    monkeypatch.setattr(telemetry, "print_renderable", capture)
+    args = [a for a in tiny_fit_args(tmp_path, "--trainer.max_epochs=0") if a != "--trainer.logger=false"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = GrowtrainCLI(args=args)
+    package = Path(growtrain.__file__).parent
+    ours = [str(w.message) for w in caught if Path(w.filename).resolve().is_relative_to(package)]
+    assert len(ours) == 1 and ours[0].startswith("GrowUntilSaturated: no growth check ran in this fit of 0 epoch(s)")
+    assert ours[0].endswith("Fix: train longer (trainer.max_epochs).")  # no plateau advice: no epoch was judged
+    (summary,) = printed
+    assert summary.startswith("GrowUntilSaturated: depth 3 → 3: no growth check ran — no training epoch ended")
+    assert "the warning above says what to change" in summary
+    assert "Fix:" not in summary and "growth_history.json" not in summary  # the warning is not printed twice
+    assert cli.trainer.logger is not None and not list(tmp_path.rglob("metrics.csv"))
+    assert "metrics.csv" not in summary and "outputs:" not in summary and "checkpoints:" not in summary
+
+
 def _fit_configs() -> list[Path]:
     """The shipped configs whose own header runs them with ``growtrain fit --config <it>``."""
     return [p for p in _shipped_configs() if f"growtrain fit --config configs/{p.relative_to(CONFIGS)}" in p.read_text()]

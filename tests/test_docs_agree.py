@@ -189,6 +189,31 @@ def test_the_readmes_python_example_runs(tmp_path, monkeypatch):
     assert scope["trainer"].state.finished and [h["action"] for h in scope["grow"].history] == ["budget"]
 
 
+def test_the_readmes_python_example_as_a_plain_script_prints_no_upstream_noise(tmp_path):
+    """The example run as a plain script (a fresh interpreter, Python's default warning filters, Lightning's
+    default logger and checkpointing, no growtrain CLI or trainer): no Lightning "💡 Tip" advert and no LeafSpec
+    FutureWarning (growtrain.quiet, installed by importing growtrain's callbacks or module), while growtrain's own
+    warning still shows."""
+    import os
+    import subprocess
+    import sys
+
+    code = re.search(r"```python\n(import lightning as L\nimport torch\n.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    short = code.replace("L.Trainer(max_epochs=60,", f"L.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1, "
+                         f"enable_progress_bar=False, default_root_dir={str(tmp_path / 'run')!r},")  # fmt: skip
+    assert short != code
+    (tmp_path / "example.py").write_text(short + '\nprint("finished:", trainer.state.finished)\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "PYTHONDEVMODE")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and "finished: True" in out, out[-3000:]
+    assert "💡 Tip" not in out and "LeafSpec" not in out and "tensorboardX" not in out, out
+    assert "UserWarning: GrowUntilSaturated: max_epochs=1 leaves no epoch to grow in" in out  # growtrain's own: kept
+    assert (tmp_path / "run" / "lightning_logs" / "version_0" / "metrics.csv").is_file()  # the default logger ran
+
+
 def test_the_custom_module_example_is_a_complete_file_that_grows(tmp_path, monkeypatch):
     """docs/callback.md's "Your own LightningModule" example, blocks defined, run as written but
     cut to its first check (epoch 7 at this seed): a typo, a missing name or a block the callback

@@ -68,6 +68,7 @@ def test_a_fit_without_a_check_warns_and_its_summary_says_why(tmp_path, monkeypa
     assert grow.history == [] and not (tmp_path / "growth_history.json").exists()
     (summary,) = printed
     assert "no growth check ran" in summary and "never plateaued" in summary
+    assert "Fix:" not in summary and "the warning above says what to change" in summary  # said once, in the warning
     assert "stopped growing" not in summary  # no empty table and no misleading "had not ended"
 
 

@@ -12,8 +12,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from growtrain.experiments.measure import QUESTION, differences, fit_verdict, relation_to_fit, run_measure
+from growtrain.experiments.measure import (
+    QUESTION,
+    MeasureResult,
+    differences,
+    fit_verdict,
+    relation_to_fit,
+    run_measure,
+)
 from growtrain.module import ImageClassifier
+from growtrain.report import saturation_table
+from growtrain.saturation import measure_saturation
+from tests import helpers as H
 from tests.test_restore import fit, tiny_dm
 
 
@@ -61,6 +71,30 @@ def test_measure_on_a_fit_that_ended_saturated_says_how_the_verdicts_relate(tmp_
     saved = json.loads((tmp_path / "measure" / "measure.json").read_text())
     assert saved["question"] == QUESTION and saved["fit"] == result.fit and mine in saved["relation_to_fit"]
     assert QUESTION in (tmp_path / "measure" / "measure.md").read_text()
+
+
+@pytest.mark.parametrize("rule, words", [
+    ("paper", "no certified first-order gain (Γ̂ ≤ δ+t: rules out Γ ≥ δ+2t only)"),
+    ("crossfit", "no certified first-order gain (no site's lower bound above δ)"),
+    ("relative", "no certified first-order gain (no site's lower bound above max(δ, τ·R))"),
+])  # fmt: skip
+def test_a_first_order_stop_is_reported_as_no_certified_gain_never_saturated(rule, words):
+    """A first-order stop is a statistic that did not clear its margin, not an upper bound on a block's
+    gain: measure's caption, its markdown, its relation to a running fit and the rich table's title say
+    "no certified first-order gain" (the paper's rule: what Γ̂ ≤ δ+t rules out), never "saturated"."""
+    net, batches = H.make_net("generic", seed=0), H.probe_batches("generic", n=40, batch=8)
+    report = measure_saturation(net, batches, H.loss_fn, delta=1e6, rule=rule, seed=7)  # no δ is ever cleared
+    assert report.saturated and not any(v.certified for v in report.verdicts.values())
+    result = MeasureResult(report=report, dims={})
+    assert f"{rule} rule: {words} — Γ̂=" in result.caption() and f"{rule} rule: {words} — Γ̂=" in result.markdown()
+    running = relation_to_fit({"finished": None, "checks": 2}, report)
+    assert running.endswith(f"this report says: {words}.")
+    title = str(saturation_table(report).title)
+    assert f"({rule} rule): [bold]{words}[/]" in title
+    for text in (result.caption(), result.markdown(), running, title):
+        assert "saturated" not in text.lower(), text
+    grow = measure_saturation(net, batches, H.loss_fn, delta=0.0, t=1e-12, rule="paper", seed=7)
+    assert not grow.saturated and f"grow at {grow.best_site}" in MeasureResult(report=grow, dims={}).caption()
 
 
 # -- the split the checkpoint was trained with, and the fit's last check -----------------------------------

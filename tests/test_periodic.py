@@ -260,3 +260,26 @@ def test_a_periodic_fits_summary_prints_the_split(tmp_path, caplog):
         trainer.fit(model, tiny_dm())
     out = " ".join(caplog.text.split())  # without a rich bar the summary goes through rank_zero_info (logging)
     assert "epochs: 2 growing (periodic schedule), 2 in the final anneal (complete)" in out
+
+
+def test_a_check_leaves_a_train_loaders_own_generator_where_it_was(monkeypatch):
+    """The trials iterate the train loader: with DataLoader(generator=g) a check would advance g
+    and change the rest of the run's batch order (fork_rng forks only the global generators)."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader
+
+    g = torch.Generator().manual_seed(3)
+    loader = DataLoader(list(range(32)), batch_size=4, shuffle=True, generator=g)
+    trainer = SimpleNamespace(train_dataloader=loader)
+    grow = GrowUntilSaturated(verbose=False)
+    grow._network = torch.nn.Linear(2, 2)
+    before = g.get_state().clone()
+
+    def a_check_that_iterates_the_loader(trainer, pl_module, annealed=False):
+        list(iter(loader))  # what a trial does with the train loader
+        return "grow"
+
+    monkeypatch.setattr(grow, "_check_unforked", a_check_that_iterates_the_loader)
+    assert grow._check(trainer, None) == "grow"
+    assert torch.equal(g.get_state(), before)

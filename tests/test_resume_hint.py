@@ -10,12 +10,14 @@ it exits 1 and prints a command which, run as printed, resumes the fit into the 
 from __future__ import annotations
 
 import csv
+import re
 import shlex
 import signal
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 
@@ -123,18 +125,39 @@ def test_run_folder_of_a_checkpoint():
     assert run_folder_of("last") is None  # Lightning's "last"/"best": no folder to continue
 
 
+def _checkpoint(path: Path, epoch: int, step: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"epoch": epoch, "global_step": step}, path)  # what continue_run_folder reads of one
+    return path
+
+
 def test_continue_run_folder_sets_the_version_of_an_automatic_csv_logger(tmp_path):
     auto = CSVLogger(tmp_path, name="lightning_logs")
     pinned = CSVLogger(tmp_path, name="lightning_logs", version=7)
     trainer = SimpleNamespace(loggers=[pinned, auto])
-    ckpt = tmp_path / "lightning_logs" / "version_3" / "checkpoints" / "last.ckpt"
+    ckpt = _checkpoint(tmp_path / "lightning_logs" / "version_3" / "checkpoints" / "last.ckpt", 1, 8)
     assert continue_run_folder(trainer, ckpt) == tmp_path / "lightning_logs" / "version_3"
     assert trainer.loggers[0] is pinned  # a version the user chose is kept
     assert isinstance(trainer.loggers[1], RunFolderCSVLogger) and trainer.loggers[1].version == 3
-    # a checkpoint outside this logger's folders, or no checkpoint: nothing changes
+    assert trainer.loggers[1].resume_at == (1, 8)
+    # a checkpoint outside this logger's folders, one that cannot be read, or none: nothing changes
     other = SimpleNamespace(loggers=[CSVLogger(tmp_path, name="lightning_logs")])
-    assert continue_run_folder(other, tmp_path / "elsewhere" / "version_3" / "checkpoints" / "last.ckpt") is None
+    elsewhere = _checkpoint(tmp_path / "elsewhere" / "version_3" / "checkpoints" / "last.ckpt", 1, 8)
+    assert continue_run_folder(other, elsewhere) is None
+    assert continue_run_folder(other, tmp_path / "lightning_logs" / "version_3" / "checkpoints" / "gone.ckpt") is None
     assert continue_run_folder(other, None) is None and type(other.loggers[0]) is CSVLogger
+
+
+def test_an_earlier_checkpoint_of_the_run_branches_into_a_new_folder(tmp_path):
+    """The run's metrics.csv goes on past the epoch after the checkpoint: resuming from it is a
+    new branch (e.g. from best_train.ckpt); the run's rows stay as they are, in their folder."""
+    run = tmp_path / "lightning_logs" / "version_0"
+    _write_csv(run / "metrics.csv", [{"epoch": e, "step": 4 * e + 3, "train_loss": 1.0} for e in range(6)])
+    trainer = SimpleNamespace(loggers=[CSVLogger(tmp_path, name="lightning_logs")])
+    assert continue_run_folder(trainer, _checkpoint(run / "checkpoints" / "best_train.ckpt", 2, 12)) is None
+    assert type(trainer.loggers[0]) is CSVLogger and len(_read_csv(run / "metrics.csv")) == 6
+    # the latest checkpoint (epoch 4; epoch 5 was interrupted and is trained again) continues the run
+    assert continue_run_folder(trainer, _checkpoint(run / "checkpoints" / "last.ckpt", 4, 20)) == run
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
@@ -183,7 +206,11 @@ def tiny_args(root: Path, *extra: str) -> list[str]:
         "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
         "--trainer.enable_model_summary=false", f"--trainer.default_root_dir={root}", "--data.dataset=synthetic",
         "--data.synthetic_size=256", "--data.synthetic_classes=4", "--data.image_size=8", "--data.probe_size=32",
-        "--data.val_size=32", "--data.batch_size=32", "--model.width=4", "--data.train_subset=null", *extra,
+        "--data.val_size=32", "--data.batch_size=32", "--model.width=4", "--data.train_subset=null",
+        # the growth callback's: a check every epoch (after a one-epoch stage anneal), so one runs before
+        # Ctrl-C, and training on to max_epochs whatever they decide
+        "--trainer.callbacks.anneal_epochs=1", "--trainer.callbacks.monitor=null", "--trainer.callbacks.every_n_epochs=1",
+        "--trainer.callbacks.on_saturated=continue", *extra,
     ]  # fmt: skip
 
 
@@ -225,11 +252,12 @@ def test_ctrl_c_prints_the_command_that_resumes_into_the_same_folder(tmp_path, c
     tokens = shlex.split(command)
     resumed = GrowtrainCLI(args=tokens[1:])  # the command as printed, after `growtrain`
     assert getattr(resumed.trainer, CLI_ARGV_ATTRIBUTE) == tokens[1:]
-    assert resumed.trainer.current_epoch == 4 and Path(resumed.trainer.log_dir) == run
+    epochs = resumed.trainer.current_epoch
+    assert epochs == 4 and Path(resumed.trainer.log_dir) == run
     assert sorted(p.name for p in run.parent.iterdir()) == ["version_0"]
     rows = _read_csv(run / "metrics.csv")  # every epoch once: the interrupted epoch's rows were dropped
-    assert sorted(r["epoch"] for r in rows if r.get("val_loss")) == ["0", "1", "2", "3"]
-    assert sorted(r["epoch"] for r in rows if r.get("train_loss")) == ["0", "1", "2", "3"]
+    assert sorted(int(r["epoch"]) for r in rows if r.get("val_loss")) == list(range(epochs))
+    assert sorted(int(r["epoch"]) for r in rows if r.get("train_loss")) == list(range(epochs))
 
 
 @pytest.mark.skipif(GrowUntilSaturated.on_exception is Callback.on_exception,
@@ -240,5 +268,5 @@ def test_ctrl_c_prints_the_growth_summary_before_the_command(tmp_path, ctrl_c_in
     with caplog.at_level(logging.INFO), pytest.raises(SystemExit):
         GrowtrainCLI(args=tiny_args(tmp_path))
     summary = "\n".join(r.getMessage() for r in caplog.records)
-    assert "GrowUntilSaturated: depth 3 → 3" in summary  # the fit so far: no check ran in 2 epochs
+    assert re.search(r"GrowUntilSaturated: depth 3 → \d", summary) and "check" in summary  # the fit so far
     assert "growtrain: the fit was interrupted (Ctrl-C)" in capsys.readouterr().out

@@ -136,7 +136,8 @@ def test_a_checkpoint_of_another_format_is_refused_with_the_fix(tmp_path):
     checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=True)
     checkpoint[CHECKPOINT_KEY]["format"] = 99
     torch.save(checkpoint, tmp_path / "future.ckpt")
-    with pytest.raises(ValueError, match=r"random state has format 99; this growtrain reads format 1\. Fix: "):
+    with pytest.raises(ValueError, match=r"ckpt_path: '.*future\.ckpt' holds a random state of format 99; this "
+                                         r"growtrain reads format 1\. Fix: "):
         _fit(tmp_path / "resumed", "global", ckpt=tmp_path / "future.ckpt")
 
 

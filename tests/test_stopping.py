@@ -66,6 +66,8 @@ def test_stopping_experiment_rows_resume_and_summary(tmp_path):
     result = run_stopping(model, tiny_dm(), trainer_kwargs=kwargs, depths=[0, 1], seeds=[0], output_dir=tmp_path)
     growth = result.growth[0]
     assert growth["growths"] == 1 and growth["depth"] == 1 and growth["stopped"] == "budget"
+    # each check's "certified" is kept with the row: the caption's words for its stop come from it
+    assert [(h["action"], h["certified"]) for h in growth["history"]] == [("grow", False), ("budget", False)]
     assert {r["depth"] for r in result.scratch} == {0, 1}
     assert all(r["growths"] == 0 and r["stopped"] == "budget" for r in result.scratch)  # same rule, no growth
     summary = json.loads((tmp_path / "stopping.json").read_text())["summary"]

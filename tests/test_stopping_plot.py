@@ -58,6 +58,31 @@ def test_the_stopping_table_does_not_call_a_run_without_a_verdict_stopped_by_non
     assert "growth → 0" not in text and "growth (not ended) at 0" in text
 
 
+def test_the_stopping_caption_says_what_each_seeds_stop_certified():
+    """The caption's "growth stopped by:" names each seed's stop as its last check's record says it (plots.outcome):
+    "certified saturation" only where that check's verdict was certified, else "no certified gain";
+    a budget is a budget; never the bare code value "saturated"."""
+    from rich.console import Console
+
+    from growtrain.experiments.stopping import StoppingResult
+
+    def row(seed, stopped, last):
+        return {"seed": seed, "depth": 1, "test_loss": 0.46, "train_loss": 0.4, "epochs": 9, "flops": 1e9,
+                "stopped": stopped, "history": [{"action": "grow", "certified": False}, last]}  # fmt: skip
+
+    growth = [row(0, "saturated", {"action": "saturated", "certified": False}),
+              row(1, "saturated", {"action": "saturated", "certified": True}),
+              row(2, "budget", {"action": "budget", "certified": False}),
+              row(3, "saturated", {"action": "saturated"})]  # an older row: no "certified" kept  # fmt: skip
+    scratch = [{"seed": 0, "depth": d, "test_loss": 0.5, "train_loss": 0.5, "epochs": 2, "flops": 1e9} for d in (0, 1)]
+    console = Console(width=400, record=True, file=__import__("io").StringIO())
+    console.print(StoppingResult(scratch=scratch, growth=growth, depth_kwarg="added", d_star=1).table())
+    text = " ".join(console.export_text().split())
+    assert ("growth stopped by: seed 0: no certified gain; seed 1: certified saturation; seed 2: budget; "
+            "seed 3: no certified gain") in text
+    assert "saturated" not in text.split("growth stopped by:")[1]
+
+
 def test_an_empty_output_folder_plots_without_a_warning():
     """`stopping --train=false` on a folder with no rows yet: a figure that says so, no legend warning."""
     import warnings

@@ -13,6 +13,11 @@ from growtrain.callbacks.early_stopping import TrainLossEarlyStopping
 from growtrain.callbacks.gamma_plot import GammaTracePlot, save_gamma_trace
 from growtrain.callbacks.growth import GrowUntilSaturated
 from growtrain.callbacks.rng_state import RandomStateCheckpoint
+from growtrain.quiet import quiet_upstream_noise
+
+# a plain script (no growtrain CLI or trainer) that uses a growtrain callback: no Lightning tips or
+# LeafSpec deprecation it cannot act on (growtrain/quiet.py; message by message, growtrain's own kept)
+quiet_upstream_noise()
 
 __all__ = [
     "ComputeMeter",

@@ -40,6 +40,7 @@ from growtrain.callbacks.remeasure import save_rewound, saved_checkpoints
 from growtrain.callbacks.restore import take_snapshot
 from growtrain.callbacks.progress import counted, progress_for
 from growtrain.plots import outcome
+from growtrain.callbacks.rng_state import loader_generators
 from growtrain.callbacks.trial_check import BlockTrials
 from growtrain.callbacks.window_check import WindowRule
 from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_HOLDOUT, DEFAULT_TRIAL_LR
@@ -450,6 +451,13 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
                                        epochs=trainer.current_epoch, schedule=self.schedule),
         ), soft_wrap=True)  # fmt: skip
 
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """Ctrl-C: the summary of the fit so far; RandomStateCheckpoint then prints the command that
+        resumes it, and Lightning exits 1. One process only: the summary finds its folder with a
+        collective under DDP, which an interrupted rank may never join."""
+        if isinstance(exception, KeyboardInterrupt) and trainer.world_size == 1:
+            self.on_fit_end(trainer, pl_module)
+
     # -- one check -------------------------------------------------------------------------
     def _check(self, trainer: Trainer, pl_module: LightningModule, annealed: bool = False) -> str:
         """One check, on a fork of the random number generators: iterating the probe loader
@@ -461,8 +469,16 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         devices = []
         if device.type == "cuda":
             devices = [device.index if device.index is not None else torch.cuda.current_device()]
-        with torch.random.fork_rng(devices=devices):
-            return self._check_unforked(trainer, pl_module, annealed)
+        # a generator the train loaders own (DataLoader(generator=g)) is not forked by fork_rng, and
+        # the trials iterate the train loader: set it back after the check too
+        owned = loader_generators(trainer)
+        states = [g.get_state() for g in owned]
+        try:
+            with torch.random.fork_rng(devices=devices):
+                return self._check_unforked(trainer, pl_module, annealed)
+        finally:
+            for g, state in zip(owned, states):
+                g.set_state(state)
 
     def _check_unforked(self, trainer: Trainer, pl_module: LightningModule, annealed: bool = False) -> str:
         network = self._network

@@ -1,9 +1,11 @@
 """What ``GrowUntilSaturated`` tells a user who would otherwise wonder what happened.
 
 - :func:`no_check_message`: a fit in which no check ran, with the reason (the monitor and its
-  best value, patience, ``min_stage_epochs``) and what to change;
+  best value, patience, ``min_stage_epochs``) and what to change (:func:`no_check_reason`: the
+  reason alone, for the summary that follows the warning);
 - :func:`output_lines`: where the fit's outputs are (logs, ``growth_history.json``, the Γ̂
-  trace, checkpoints, and which checkpoint holds the network the fit handed over);
+  trace, checkpoints, and which checkpoint holds the network the fit handed over), naming only
+  files the fit wrote;
 - :func:`probe_resolution` / :func:`probe_size_message`: whether the probe is large enough for a
   gain of ``min_gain`` to be detectable at level α, and the smallest size that is.
 
@@ -17,7 +19,8 @@ import os
 from statistics import NormalDist
 from typing import Any
 
-__all__ = ["no_check_message", "output_lines", "probe_resolution", "probe_size_message", "GAIN_SPREAD"]
+__all__ = ["no_check_message", "no_check_reason", "output_lines", "probe_resolution", "probe_size_message",
+           "GAIN_SPREAD"]
 
 # The spread of the per-sample paired loss differences that min_gain's test averages, as a
 # fraction of the probe loss: measured 0.91-1.04 on every judged growth of the Fashion-MNIST
@@ -80,16 +83,25 @@ def no_check_message(*, monitor: str | None, best: float | None, wait: int, pati
     if waiting:
         why += f"; at the last epoch: {waiting}"
     fixes = ["train longer (trainer.max_epochs)"]
-    if monitor is not None:
+    if epochs > 0 and monitor is not None:  # no epoch trained: only training at all helps
         fixes += [f"a smaller patience (now {patience}) or a larger min_rel_delta (now {min_rel_delta:g})",
                   "monitor=None with every_n_epochs=N to check on a fixed schedule"]  # fmt: skip
-    elif every_n_epochs > epochs:
+    elif epochs > 0 and every_n_epochs > epochs:
         fixes.append("a smaller every_n_epochs")
     return (
         f"GrowUntilSaturated: no growth check ran in this fit of {epochs} epoch(s), so the network was not "
         f"grown or judged and no growth_history.json or gamma_trace.png was written. Why: {why}. "
         f"Fix: {'; or '.join(fixes)}."
     )
+
+
+def no_check_reason(message: str) -> str:
+    """The "Why" of a :func:`no_check_message` text, for the end-of-fit summary: the callback warns with
+    the whole message, and the summary after it says why in one line instead of repeating it. A text
+    that is not such a message is returned whole."""
+    _, found, rest = message.partition(" Why: ")
+    why = rest.rsplit(". Fix: ", 1)[0] if found else ""
+    return why or message
 
 
 def output_lines(trainer: Any, *, history_path: str | None, history_written: bool) -> list[str]:
@@ -104,7 +116,7 @@ def output_lines(trainer: Any, *, history_path: str | None, history_written: boo
             log_dir = getattr(logger, "log_dir", None)
             if log_dir and os.path.abspath(log_dir) == os.path.abspath(folder):
                 path = getattr(getattr(logger, "experiment", None), "metrics_file_path", None)
-                if path:
+                if path and os.path.isfile(path):  # a fit that logged nothing (no epoch ran) wrote none
                     files.append(os.path.basename(path))
         if history_written:
             files.append(os.path.basename(history_path))

@@ -20,7 +20,8 @@ iterator the fit loop made earlier is made again from them (``iter`` on the loop
 what the loop itself does at the start of every later epoch).
 
 Exact for a checkpoint written at an epoch boundary (``ModelCheckpoint`` at the end of a train
-epoch, as ``last.ckpt`` is in growtrain's configs). Not covered, and said here so nobody relies
+epoch or after the epoch's validation, as the quickstart's ``last.ckpt``; tested single-process
+and under 2-process DDP, ``tests/test_rng_state.py``). Not covered, and said here so nobody relies
 on it: a checkpoint written mid-epoch (its states are set at ``on_train_start``, the best
 available, but Lightning restarts the epoch's iterator, so the batches differ anyway);
 persistent DataLoader workers (their own generators live in the worker processes; the order of
@@ -31,6 +32,9 @@ the samples is restored, random augmentations inside the workers are not); rando
 Under DDP every process's states are gathered into the checkpoint (``Trainer.save_checkpoint``
 runs on every rank) and each rank gets its own back; with another number of processes every
 rank gets rank 0's, with a warning.
+
+On Ctrl-C the callback prints the command that resumes the fit (``growtrain.resume``): it is in
+every trainer growtrain builds, so every ``growtrain fit`` says how to go on.
 """
 
 from __future__ import annotations
@@ -169,7 +173,7 @@ class RandomStateCheckpoint(Callback):
     says when the states are set, and what is not covered). A checkpoint without the states
     (written before this callback existed) resumes as before, with a one-line warning.
 
-    On Ctrl-C it prints the command that resumes the fit from its ``last.ckpt``
+    On Ctrl-C it prints the command that resumes the fit from its latest checkpoint
     (:func:`growtrain.resume.interrupt_report`).
     """
 
@@ -180,7 +184,7 @@ class RandomStateCheckpoint(Callback):
         self.last_save: dict[str, Any] | None = None
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        # the epoch's last batch is behind it: a save at an epoch boundary, which a resume reproduces exactly
+        # at_epoch_end: the epoch's last batch is done, a save at an epoch boundary (a resume from it is exact)
         progress = trainer.fit_loop.epoch_loop.batch_progress
         self.last_save = {"epoch": trainer.current_epoch, "global_step": trainer.global_step,
                           "at_epoch_end": bool(progress.is_last_batch)}  # fmt: skip
@@ -198,8 +202,8 @@ class RandomStateCheckpoint(Callback):
             return
         if saved.get("format") != _FORMAT:
             raise ValueError(
-                f"checkpoint: its random state has format {saved.get('format')!r}; this growtrain reads format "
-                f"{_FORMAT}. Fix: resume it with the growtrain version that wrote it."
+                f"ckpt_path: {str(trainer.ckpt_path)!r} holds a random state of format {saved.get('format')!r}; this "
+                f"growtrain reads format {_FORMAT}. Fix: resume it with the growtrain version that wrote it."
             )
         self._pending = dict(saved) if trainer.state.fn == "fit" else None
         self.last_save = {key: saved.get(key) for key in ("epoch", "global_step", "at_epoch_end")}
@@ -207,8 +211,9 @@ class RandomStateCheckpoint(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # A mid-epoch checkpoint: Lightning calls no on_train_epoch_start for the epoch it resumes,
         # so set the states now, the nearest point (that epoch's batches differ anyway)
-        loop = trainer.fit_loop
-        if self._pending is not None and (loop.restarted_mid_epoch or loop.restarted_on_epoch_end):
+        loop = trainer.fit_loop  # (getattr: Lightning before 2.5 names no restart stages; then the epoch start)
+        if self._pending is not None and (getattr(loop, "restarted_mid_epoch", False)
+                                          or getattr(loop, "restarted_on_epoch_end", False)):  # fmt: skip
             self._restore(trainer, remake_iterator=False)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -17,6 +17,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
+from growtrain.callbacks.guidance import no_check_reason
 from growtrain.plots import outcome
 from growtrain.saturation import SaturationReport
 
@@ -163,8 +164,13 @@ def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: in
     losses = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
     final = f"final ({measured_on})" if measured_on else "final"
     if not history:
-        lines = [f"GrowUntilSaturated: depth {_fmt(start_depth)} → {_fmt(final_depth)}: no growth check ran",
-                 no_check or "no growth check ran in this fit"]  # fmt: skip
+        # no check, so no growth: the depth at the start is the depth now, even when no epoch ran (the
+        # callback then never saw the start of training). The warning the callback gave carries the whole
+        # message (why and what to change); the summary says why in one line, not the message again.
+        start = final_depth if start_depth is None else start_depth
+        line = f"GrowUntilSaturated: depth {_fmt(start)} → {_fmt(final_depth)}: no growth check ran"
+        why = no_check_reason(no_check) if no_check else None
+        lines = [line + (f" — {why}; the warning above says what to change" if why else "")]
         if losses:
             lines.append(f"{final}: {losses}")
         return "\n".join(lines + list(outputs or []))

@@ -54,6 +54,7 @@ from growtrain.experiments.runs import (
     rich_table,
 )
 from growtrain.decision import DEFAULT_RULE, DEFAULT_TAU
+from growtrain.report import verdict_words
 from growtrain.saturation import SaturationReport, measure_saturation
 
 __all__ = ["MeasureResult", "run_measure", "site_dims", "QUESTION", "fit_verdict", "relation_to_fit", "check_split",
@@ -93,7 +94,7 @@ def relation_to_fit(fit: dict | None, report: SaturationReport) -> str | None:
     """How this report's verdict relates to the verdict of the fit that saved the checkpoint."""
     if fit is None:
         return None
-    mine = "saturated (no site certified)" if report.saturated else f"grow at {report.best_site}"
+    mine = verdict_words(report)
     if fit["finished"] is None:
         return (f"The fit that saved this checkpoint had not ended growth ({fit['checks']} check(s)); this report "
                 f"says: {mine}.")  # fmt: skip
@@ -315,10 +316,9 @@ class MeasureResult:
 
     def caption(self) -> str:
         rep = self.report
-        verdict = "saturated" if rep.saturated else f"grow at {rep.best_site}"
         lines = [
-            f"{rep.rule} rule: {verdict} — Γ̂={fmt(rep.gamma)}, δ+t={fmt(rep.threshold)} (t={fmt(rep.t)}), "
-            f"error bound={fmt(rep.error_bound)}, n={rep.n}, AG_max={fmt(rep.ag_max)}",
+            f"{rep.rule} rule: {verdict_words(rep)} — Γ̂={fmt(rep.gamma)}, δ+t={fmt(rep.threshold)} "
+            f"(t={fmt(rep.t)}), error bound={fmt(rep.error_bound)}, n={rep.n}, AG_max={fmt(rep.ag_max)}",
             QUESTION,
         ]
         extra = (relation_to_fit(self.fit, rep), _comparison(self.last_check, self.differences or [], rep),

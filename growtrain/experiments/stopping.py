@@ -41,8 +41,9 @@ from growtrain.experiments.runs import (
     ModuleFactory, RunLog, check_rebuildable, depth_offset, fingerprint, fmt, growable_of, markdown_table,
     mean_std, module_at_depth, parse_depths, prepare, resolve_depth_kwarg, rich_table,
 )  # fmt: skip
+from growtrain.plots import outcome
 
-__all__ = ["StoppingResult", "run_stopping", "smallest_good_depth"]
+__all__ = ["StoppingResult", "run_stopping", "smallest_good_depth", "stopped_by"]
 
 # GrowUntilSaturated options that change only the growth decision, not a scratch run (a scratch run
 # never grows, so what happens to the learning rate around a growth, lr_schedule, does not touch it).
@@ -64,6 +65,17 @@ def smallest_good_depth(by_depth: dict[int, list[float]]) -> tuple[int, int]:
     else:
         se = 0.0
     return min(d for d, m in means.items() if m <= means[best] + se), best
+
+
+def stopped_by(row: dict) -> str:
+    """Why a growth row's run stopped growing, in words that claim no more than its last check certified
+    (``plots.outcome`` of that check: "certified saturation" only where its verdict was certified, else
+    "no certified gain"; "budget"), or that its fit ended first."""
+    if not row.get("stopped"):
+        return "not ended (the fit ended first: no verdict)"
+    history = row.get("history") or []
+    last = history[-1] if history and history[-1].get("action") == row["stopped"] else {"action": row["stopped"]}
+    return outcome(last)  # a row without its stop's record (an older runs.jsonl) claims no certification
 
 
 @dataclass
@@ -116,8 +128,7 @@ class StoppingResult:
         return header, rows
 
     def table(self):
-        reasons = "; ".join(f"seed {g['seed']}: {g['stopped'] or 'not ended (the fit ended first: no verdict)'}"
-                            for g in self.growth)  # fmt: skip
+        reasons = "; ".join(f"seed {g['seed']}: {stopped_by(g)}" for g in self.growth)
         return rich_table(*self._cells(), title="Growth until saturated vs a from-scratch depth sweep",
                           caption=f"d* = {self.d_star} (best {self.best_depth}); growth stopped by: {reasons}",
                           left_columns=1)  # fmt: skip
@@ -294,8 +305,9 @@ def _train(module, datamodule, kwargs, root: Path, keep, grower: GrowUntilSatura
         "epochs": trainer.current_epoch, "steps": meter.steps, "flops": meter.flops, "wall_s": wall,
         "probe_s": grower.probe_seconds, "checkpoint": _saved(trainer, root),
         "stopped": grower.finished, "stop_reason": grower.stop_reason, "growths": grower.growths,
-        "history": [{k: h.get(k) for k in ("epoch", "depth_before", "action", "site", "lower", "margin", "reference",
-                                            "ratio", "gamma", "threshold", "verdicts")} for h in grower.history],
+        "history": [{k: h.get(k) for k in ("epoch", "depth_before", "action", "certified", "site", "lower", "margin",
+                                            "reference", "ratio", "gamma", "threshold", "verdicts")}
+                    for h in grower.history],
         "params": sum(p.numel() for p in module.parameters()),
     }  # fmt: skip
 
