@@ -27,7 +27,6 @@ from typing import Any, Callable, Literal, Optional, Sequence, Union
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import SaveConfigCallback
 
-from growtrain.callbacks import growth_callbacks
 from growtrain.decision import DEFAULT_TAU
 from growtrain.experiments import run_compare, run_match, run_measure, run_stopping, run_sweep
 from growtrain.experiments._training import BaseGrowTrainer
@@ -281,6 +280,8 @@ class GrowTrainer(BaseGrowTrainer):
         prepare(datamodule, "measure")  # a data error, too, comes before the folder (run_measure reuses the load)
         out = self._experiment_dir("measure", output_dir, result="measure.json")
         model.to(self.strategy.root_device)
+        from growtrain.callbacks import growth_callbacks  # here, so growtrain.trainer does not re-export it
+
         growers = growth_callbacks(self.callbacks)  # the configured callback drew the fit's candidates
         fit_growth = {"seed": getattr(growers[0], "seed", None), "calibrate": getattr(growers[0], "calibrate", None),
                       "precision": str(self.precision)} if growers else None  # fmt: skip

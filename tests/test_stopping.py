@@ -154,10 +154,15 @@ def test_stage_anneal_survives_a_checkpoint_mid_anneal(tmp_path):
 
     whole, whole_lrs, _ = _stage_anneal_fit(tmp_path / "whole", tau=1e-9)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1, filename="{epoch}")
-    # stops inside the stage anneal, before the stage's check: the callback says no check ran
+    # interrupted inside the stage anneal, before the stage's check (a stop at epoch 3 of the same
+    # max_epochs: a smaller max_epochs would reserve the final anneal instead): no check ran, and it says so
+    class StopAfter(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            trainer.should_stop = trainer.should_stop or trainer.current_epoch == 2
+
     with pytest.warns(UserWarning, match=r"no growth check ran in this fit of 3 epoch\(s\).*Why: the check due after "
                                          r"every_n_epochs=2 epoch\(s\) had not run .*the stage anneal: 1 of 2 epoch"):
-        _stage_anneal_fit(tmp_path / "first", tau=1e-9, max_epochs=3, extra=[ckpt])
+        _stage_anneal_fit(tmp_path / "first", tau=1e-9, extra=[ckpt, StopAfter()])
     path = tmp_path / "ckpt" / "epoch=2.ckpt"
     state = torch.load(path, weights_only=False)["callbacks"]
     saved = next(v for k, v in state.items() if k.startswith("GrowUntilSaturated"))
