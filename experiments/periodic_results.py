@@ -76,8 +76,18 @@ def matched_rows(folder: Path) -> list[dict]:
     return list({(r["seed"], r["arm"]): r for r in out}.values())
 
 
+def with_checks(row: dict, probe_size: int) -> float:
+    """Training FLOPs plus the checks' (experiments/periodic_matched.py's count: the budget the
+    matched arms were given)."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from periodic_matched import growth_flops
+
+    return growth_flops(row, probe_size)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--probe_size", type=int, default=2000)
     p.add_argument("--sweep", required=True)
     p.add_argument("--growth", required=True, nargs="+", help="periodic growth rows (tag: file stem)")
     p.add_argument("--matched", nargs="*", default=[], help="folders of experiments/periodic_matched.py (plan.jsonl)")
@@ -104,14 +114,15 @@ def main() -> None:
     print(f"d* = {dstar} blocks: scratch test loss {best_mean:.4f} ± {sd:.4f}; target ≤ {best_mean + sd:.4f}\n")
 
     print("| run | seed | checks (epoch: blocks → action) | handed over | test loss | epochs (growing + final) | "
-          "GFLOP (÷ seed's sweep) | checks' share of wall time |")
+          "GFLOP, checks included (÷ seed's sweep) | checks' share of wall time |")
     print("|---|---|---|---|---|---|---|---|")
     for r in sorted(growth, key=lambda r: (r["tag"], r["seed"])):
         grown = max((h["epoch"] for h in r["history"]), default=0) + 1
         share = r["probe_s"] / r["wall_s"] if r.get("wall_s") else float("nan")
         total = sweep_total.get(r["seed"]) or sweep_total[0]
+        flops = with_checks(r, args.probe_size)
         print(f"| {r['tag']} | {r['seed']} | {path_of(r)} | {r['blocks']} {sizes_of(r)} | {r['test_loss']:.4f} | "
-              f"{r['epochs']} ({grown} + {r['epochs'] - grown}) | {r['flops'] / 1e9:,.0f} ({r['flops'] / total:.2f}×) | "
+              f"{r['epochs']} ({grown} + {r['epochs'] - grown}) | {flops / 1e9:,.0f} ({flops / total:.2f}×) | "
               f"{100 * share:.1f} % |")
     if matched:
         print("\n| seed | growth (blocks, test loss, GFLOP incl. checks) | scratch arm | blocks | epochs | GFLOP | "

@@ -565,7 +565,10 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         record["trial"] = {"saturated": verdict.saturated, "certified": verdict.certified, "site": verdict.site,
                            "lower_frac": verdict.score,
                            "min_gain": verdict.margin, "reason": verdict.reason, "trials": trials}  # fmt: skip
-        site = verdict.site
+        return self._decide_at(verdict, verdict.site, report, depth, params)
+
+    def _decide_at(self, verdict, site, report, depth, params):
+        """A verdict that names its site (or none) → the action, with the budgets applied."""
         return dec.decide_growth(
             saturated=verdict.saturated, ranked=[site] if site else [], growths=self.growths,
             block_params={site: telemetry.count_params(report.record(site).block)} if site else {},
@@ -579,13 +582,7 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         losses, signatures = self._probe_losses(trainer, pl_module, network)
         verdict, record["window"] = self._window.decide(losses, signatures, epoch=trainer.current_epoch,
                                                         level=record["level"], check=record["check"])  # fmt: skip
-        site = None if verdict.saturated else best_scored_site(report)
-        return dec.decide_growth(
-            saturated=verdict.saturated, ranked=[site] if site else [], growths=self.growths,
-            block_params={site: telemetry.count_params(report.record(site).block)} if site else {},
-            max_growths=self.max_growths, depth=depth, max_blocks=self.max_blocks, params=params,
-            max_params=self.max_params, reason=verdict.reason,
-        )  # fmt: skip
+        return self._decide_at(verdict, None if verdict.saturated else best_scored_site(report), report, depth, params)
 
     def _finish(self, trainer: Trainer, why: str, reason: str, annealed: bool = False, certified: bool = False) -> None:
         """Growth has ended: stop, continue at this depth, or start the final anneal (unless the
