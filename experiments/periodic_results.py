@@ -61,6 +61,27 @@ def path_of(row):
     return "; ".join(steps)
 
 
+def path_points(row: dict, train_images: int) -> tuple[list[float], list[int]]:
+    """Cumulative training GFLOP at the start of each epoch and the blocks trained in it."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from periodic_matched import per_sample_flops
+
+    grows = {h["epoch"]: h["site"] for h in row["history"] if h["action"] == "grow"}
+    sizes, total, xs, ys = [1, 1, 1], 0.0, [], []
+    cache: dict = {}
+    for epoch in range(row["epochs"]):
+        key = tuple(sizes)
+        cache.setdefault(key, 3.0 * per_sample_flops(sizes) * train_images / 1e9)
+        xs.append(total)
+        ys.append(sum(sizes))
+        total += cache[key]
+        if epoch in grows:
+            sizes[int(grows[epoch].split(".")[0].removeprefix("layer")) - 1] += 1
+    xs.append(total)
+    ys.append(sum(sizes))
+    return xs, ys
+
+
 def matched_rows(folder: Path) -> list[dict]:
     """Each planned arm's row, with its plan (arm, blocks, budget) beside the training's figures."""
     out = []
@@ -88,6 +109,7 @@ def with_checks(row: dict, probe_size: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--probe_size", type=int, default=2000)
+    p.add_argument("--train_images", type=int, default=57000)
     p.add_argument("--sweep", required=True)
     p.add_argument("--growth", required=True, nargs="+", help="periodic growth rows (tag: file stem)")
     p.add_argument("--matched", nargs="*", default=[], help="folders of experiments/periodic_matched.py (plan.jsonl)")
@@ -146,7 +168,7 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(8, 5))
+        fig, (ax, path_ax) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
         cmap = plt.get_cmap("viridis")
         blocks = sorted(by_blocks)
         points = [(r["flops"] / 1e9, r["test_loss"]) for r in sweep] + [(m["flops"] / 1e9, m["test_loss"]) for m in matched]
@@ -164,11 +186,22 @@ def main() -> None:
                 label="best scratch at ≤ F (sweep + matched arms □)")  # fmt: skip
         for r in growth:
             ax.scatter([r["flops"] / 1e9], [r["test_loss"]], marker="*", s=160, edgecolors="k",
-                       label=f"growth {r['tag']} s{r['seed']} ({r['blocks']} blocks)")  # fmt: skip
+                       label=f"growth {r['tag']} seed {r['seed']} ({r['blocks']} blocks)")  # fmt: skip
         for r in converged:
             ax.scatter([r["flops"] / 1e9], [r["test_loss"]], marker="^", s=60, color="tab:red", alpha=0.7,
                        label="converged protocol" if r is converged[0] else None)  # fmt: skip
         ax.axhline(best_mean + sd, color="tab:red", ls=":", lw=1, label=f"target ≤ {best_mean + sd:.4f}")
+        for r in growth:  # the path: depth against the FLOPs spent so far, epoch by epoch
+            xs, ys = path_points(r, args.train_images)
+            path_ax.step(xs, ys, where="post", label=f"growth {r['tag']} s{r['seed']}")
+            path_ax.scatter([xs[-1]], [ys[-1]], marker="*", s=120, edgecolors="k")
+        for b in blocks:
+            path_ax.scatter([r["flops"] / 1e9 for r in by_blocks[b]], [b] * len(by_blocks[b]), color="0.6", s=12)
+        path_ax.axhline(dstar, color="tab:red", ls=":", lw=1, label=f"d* = {dstar}")
+        path_ax.set_xlabel("training GFLOP so far")
+        path_ax.set_ylabel("blocks")
+        path_ax.set_title("each growth run's path (grey: scratch runs at their depth)")
+        path_ax.legend(fontsize=7)
         ax.set_xscale("log")
         ax.set_xlabel("training GFLOP (log)")
         ax.set_ylabel("test loss (10k official test images)")

@@ -18,6 +18,7 @@ import csv
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 
 from growtrain.cli import GrowtrainCLI
@@ -34,7 +35,13 @@ SHRINK = [
 
 # What a check decided and every figure it decided on (growth_history.json's fields)
 DECISION = ("check", "epoch", "step", "action", "site", "sites", "depth", "saturated", "gamma", "threshold", "lower",
-            "margin", "reason", "trial", "verdicts", "site_scores")  # fmt: skip
+            "margin", "reason", "trial", "window", "verdicts", "site_scores")  # fmt: skip
+
+# The periodic schedule on the same cut-down quickstart: a check every 2 epochs at the constant rate,
+# the window rule over 4 epochs (its kept probe losses travel in the checkpoint), one final anneal
+PERIODIC = ["--trainer.callbacks.schedule=periodic", "--trainer.callbacks.every_n_epochs=2",
+            "--trainer.callbacks.window=4", "--trainer.callbacks.decision=window",
+            "--trainer.callbacks.lr_schedule=continue"]  # fmt: skip
 
 
 def _args(root: Path, *extra: str) -> list[str]:
@@ -66,8 +73,9 @@ def _metrics_epochs(path: Path) -> list[int]:
         return sorted({int(float(row["epoch"])) for row in csv.DictReader(file) if row.get("epoch")})
 
 
-def test_a_stopped_and_resumed_quickstart_makes_the_uninterrupted_checks(tmp_path):
-    whole = GrowtrainCLI(args=_args(tmp_path / "whole"))
+@pytest.mark.parametrize("schedule", [[], PERIODIC], ids=["converged", "periodic"])
+def test_a_stopped_and_resumed_quickstart_makes_the_uninterrupted_checks(tmp_path, schedule):
+    whole = GrowtrainCLI(args=_args(tmp_path / "whole", *schedule))
     expected = _decisions(_grower(whole.trainer).history)
     stop = expected[0]["epoch"]  # right after the first check (a growth: the checkpoint holds the grown network)
     later = [r for r in expected if r["epoch"] > stop]
@@ -75,7 +83,7 @@ def test_a_stopped_and_resumed_quickstart_makes_the_uninterrupted_checks(tmp_pat
     assert expected[0]["action"] == "grow" and any(r["action"] != "budget" for r in later), expected
 
     # the same fit, stopped at the end of epoch `stop` (built as the CLI builds it; run=False to add the stop)
-    stopped = GrowtrainCLI(args=_args(tmp_path / "resumed")[1:], run=False)  # run=False: no subcommand
+    stopped = GrowtrainCLI(args=_args(tmp_path / "resumed", *schedule)[1:], run=False)  # run=False: no subcommand
     stopped.trainer.callbacks.append(StopAtEpochEnd(stop))
     stopped.trainer.fit(stopped.model, datamodule=stopped.datamodule)
     assert stopped.trainer.current_epoch == stop + 1
@@ -83,7 +91,7 @@ def test_a_stopped_and_resumed_quickstart_makes_the_uninterrupted_checks(tmp_pat
     last = run / "checkpoints" / "last.ckpt"
     assert last.is_file() and run.name == "version_0"
 
-    resumed = GrowtrainCLI(args=_args(tmp_path / "resumed", f"--ckpt_path={last}"))
+    resumed = GrowtrainCLI(args=_args(tmp_path / "resumed", *schedule, f"--ckpt_path={last}"))
     got = _decisions(_grower(resumed.trainer).history)
     assert [(r["epoch"], r["action"], r["site"]) for r in got] == [(r["epoch"], r["action"], r["site"]) for r in expected]
     assert got == expected  # every figure, bit for bit (one CPU thread)
