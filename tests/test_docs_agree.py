@@ -263,3 +263,22 @@ def test_every_python_snippet_compiles_and_its_growtrain_imports_resolve(name, c
         imported = importlib.import_module(module)
         missing = [n.strip() for n in names.split(",") if not hasattr(imported, n.strip())]
         assert not missing, (name, module, missing)
+
+
+def test_the_readme_says_what_growth_achieves_near_the_top_in_step_with_the_results():
+    """The README's "What growth achieves" lines (found depth against the sweep, the handed-over
+    network against the sweep's best and compute-matched scratch, Table 1 against the paper, how
+    far the quickstart's path moves) come before the install notes, and every figure in them is
+    one docs/results.md states: a changed result that is not carried into the README fails here."""
+    readme = text("README.md")
+    start = readme.index("### What growth achieves")
+    assert start < readme.index("### Installing")
+    section = readme[start:readme.index(" ### ", start + 1)]  # text() collapsed the line breaks
+    results = text("docs/results.md")
+    figures = re.findall(r"(?<![\w.])\d+(?:[.,]\d+)*(?: ?%|×)?", section)
+    numbers = [f for f in figures if any(c in f for c in ".%×,")]  # decimals, percentages, ratios, thousands
+    assert len(numbers) >= 8, numbers
+    missing = [f for f in numbers if f not in results and f.replace(" %", "%") not in results]
+    assert not missing, f"README figures not in docs/results.md: {missing}"
+    for claim in ("d\\*", "compute", "Table 1", "quickstart"):
+        assert claim in section, claim

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Copy the periodic study's rows from runs/ into docs/results/ (what docs/results.md cites), then
+# print the tables and draw the figure.
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+d=docs/results/periodic_full
+mkdir -p $d/matched docs/results/periodic_embedded
+cp runs/periodic_full/split0/runs.jsonl $d/growth.jsonl
+[ -f runs/periodic_full/split1/runs.jsonl ] && cp runs/periodic_full/split1/runs.jsonl $d/growth_split1.jsonl
+[ -f runs/periodic_full25/split0/runs.jsonl ] && cp runs/periodic_full25/split0/runs.jsonl $d/growth_25pct.jsonl
+[ -f runs/periodic_full_sp/split0/runs.jsonl ] && cp runs/periodic_full_sp/split0/runs.jsonl $d/growth_shrink_perturb.jsonl
+cp runs/periodic_full/split0/matched/plan.jsonl $d/matched/plan.jsonl
+for arm in runs/periodic_full/split0/matched/*/; do
+  [ -f $arm/runs.jsonl ] && mkdir -p $d/matched/$(basename $arm) && cp $arm/runs.jsonl $d/matched/$(basename $arm)/runs.jsonl
+done
+for v in runs/periodic_embedded/*/; do [ -f $v/runs.jsonl ] && cp $v/runs.jsonl docs/results/periodic_embedded/$(basename $v).jsonl; done
+python experiments/periodic_results.py --sweep docs/results/stopping_full/runs.jsonl --growth $d/growth*.jsonl \
+  --matched $d/matched --converged docs/results/stopping_full/runs.jsonl --figure docs/results/periodic_full.png
