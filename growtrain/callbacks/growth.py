@@ -365,7 +365,6 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.anneal_done is not None:
             self.anneal_done += 1
-            self.final_epochs += self.anneal_kind == "final"
             if self.anneal_done < self.anneal_epochs:
                 self._waiting = f"the {self.anneal_kind} anneal: {self.anneal_done} of {self.anneal_epochs} epoch(s) done"
                 return
@@ -450,6 +449,16 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
                                        anneal_epochs=self.anneal_epochs, on_saturated=self.on_saturated,
                                        epochs=trainer.current_epoch, schedule=self.schedule),
         ), soft_wrap=True)  # fmt: skip
+
+    @property
+    def growth_epochs(self) -> int | None:
+        """Epochs trained when growth ended (``None`` while it goes on): the ending check's epoch + 1."""
+        return self.history[-1]["epoch"] + 1 if self.finished is not None and self.history else None
+
+    @property
+    def final_epochs(self) -> int:
+        """Epochs of the final anneal trained so far (its progress is callback state already)."""
+        return self.anneal_done or 0 if self.anneal_kind == "final" else 0
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Ctrl-C: the summary of the fit so far; RandomStateCheckpoint then prints the command that
@@ -588,7 +597,6 @@ class GrowUntilSaturated(GrowthStateMixin, StageAnnealMixin, RealizedGainMixin, 
         """Growth has ended: stop, continue at this depth, or start the final anneal (unless the
         stage anneal before this check already annealed the final network)."""
         self.finished, self.stop_reason = why, reason
-        self.growth_epochs = trainer.current_epoch + 1  # epochs trained when growth ended (the summary's split)
         self.snapshot = None  # no later verdict can restore it: free the host copy (and the checkpoint's)
         words = outcome({"action": why, "certified": certified})  # never "saturated" for an uncertified stop
         if self.on_saturated == "anneal" and annealed:

@@ -35,12 +35,10 @@ class GrowthStateMixin:
         self.gain_reference: list[float] | None = None  # per-sample probe losses at the last growth
         self.gain_signature: list[float] | None = None  # ... and the fingerprints of those probe samples
         self.snapshot: dict | None = None  # host copy of the network before the last growth (restore_best)
-        self.growth_epochs: int | None = None  # epochs trained when growth ended
-        self.final_epochs = 0  # epochs of the final anneal trained
 
     # -- checkpoint state ------------------------------------------------------------------
     _STATE_INTS = ("checks", "growths", "inserted", "alpha_index", "wait", "cooldown_left", "epochs_since_check",
-                   "stage_epochs", "trained_since_check", "final_epochs")  # fmt: skip
+                   "stage_epochs", "trained_since_check")  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         state = {k: getattr(self, k) for k in self._STATE_INTS}
@@ -48,7 +46,7 @@ class GrowthStateMixin:
                      restart_pending=self.restart_pending, start_depth=self.start_depth,
                      anneal_done=self.anneal_done, anneal_kind=self.anneal_kind,
                      anneal_base_lrs=self.anneal_base_lrs, gain_reference=self.gain_reference,
-                     gain_signature=self.gain_signature, growth_epochs=self.growth_epochs)  # fmt: skip
+                     gain_signature=self.gain_signature)  # fmt: skip
         state = telemetry.plain(state)
         state["snapshot"] = self.snapshot  # tensors: torch.save keeps them as they are
         if getattr(self, "_trials", None) is not None:  # the trial collaborator's own state
@@ -75,7 +73,6 @@ class GrowthStateMixin:
         signature = state_dict.get("gain_signature")
         self.gain_signature = None if signature is None else [float(v) for v in signature]
         self.snapshot = state_dict.get("snapshot")
-        self.growth_epochs = state_dict.get("growth_epochs")
         if getattr(self, "_window", None) is not None:
             self._window.load_state_dict(state_dict.get("window", {}))
         if getattr(self, "_trials", None) is not None:
