@@ -286,3 +286,13 @@ def test_a_check_leaves_a_train_loaders_own_generator_where_it_was(monkeypatch):
     monkeypatch.setattr(grow, "_check_unforked", a_check_that_iterates_the_loader)
     assert grow._check(trainer, None) == "grow"
     assert torch.equal(g.get_state(), before)
+
+
+def test_a_stage_anneal_is_not_counted_as_the_final_phase():
+    """The summary's split counts only the final anneal: a converged stage's anneal (before its
+    check) is growing time."""
+    grow = GrowUntilSaturated(lr_schedule="anneal", on_saturated="anneal", anneal_epochs=3, verbose=False)
+    grow.anneal_kind, grow.anneal_done = "stage", 2
+    assert grow.final_epochs == 0 and grow.growth_epochs is None
+    grow.anneal_kind = "final"
+    assert grow.final_epochs == 2
