@@ -15,7 +15,8 @@ check) and ``F_epoch`` the arm's training FLOPs per epoch (3 × forward FLOPs ×
     python experiments/periodic_matched.py runs/periodic_full/split0 --seeds 0 1 2 --dstar 3 2 2 \\
         --data.init_args.dataset=fashion-mnist --data.init_args.root=/usr/share/datasets/fashion-mnist
 
-Rows go to ``<folder>/matched/<arm>/runs.jsonl`` (resumable: a finished row is skipped, a cut
+Rows go to ``<folder>/matched/<arm>_<blocks>_seed<S>/runs.jsonl`` (the first session's seed-0 and
+seed-1 rows: ``<arm>_<blocks>/``) (resumable: a finished row is skipped, a cut
 training resumes from its last epoch checkpoint); ``<folder>/matched/plan.jsonl`` records each
 arm's budget and epochs.
 """
@@ -85,8 +86,10 @@ def main() -> None:
             sizes = stage_sizes(row) if arm == "found" else list(args.dstar)
             per_epoch = 3.0 * per_sample_flops(sizes) * args.train_images
             epochs = max(6, round(budget / per_epoch))
-            name = f"{arm}_{'-'.join(map(str, sizes))}"
-            plan = {"seed": seed, "arm": arm, "blocks": sizes, "budget_flops": budget,
+            # one folder per arm and seed: two seeds' d* arms differ in max_epochs (their own budgets),
+            # and a stopping folder holds one configuration
+            name = f"{arm}_{'-'.join(map(str, sizes))}_seed{seed}"
+            plan = {"seed": seed, "arm": arm, "blocks": sizes, "folder": name, "budget_flops": budget,
                     "growth_train_flops": row["flops"], "epoch_flops": per_epoch, "max_epochs": epochs,
                     "growth_blocks": row["blocks"], "growth_test_loss": row["test_loss"]}  # fmt: skip
             with open(out / "plan.jsonl", "a") as f:

@@ -87,7 +87,8 @@ def matched_rows(folder: Path) -> list[dict]:
     out = []
     for line in open(folder / "plan.jsonl"):
         plan = json.loads(line)
-        runs = folder / f"{plan['arm']}_{'-'.join(map(str, plan['blocks']))}" / "runs.jsonl"
+        name = plan.get("folder") or f"{plan['arm']}_{'-'.join(map(str, plan['blocks']))}"  # older plans: no seed
+        runs = folder / name / "runs.jsonl"
         if not runs.is_file():
             continue
         rows = [r for r in load(runs) if r["seed"] == plan["seed"]]
