@@ -128,8 +128,8 @@ def fit_check(args, device, precision: str, root: Path) -> dict:
                          batch_size=32 if args.quick else 128)  # fmt: skip
     module = ImageClassifier(width=width, num_classes=10)
     # monitor=None: a check at the end of every epoch (no plateau wait).
-    # restore_best=False: this checks the growth mechanics on the device, so an unpaid block stays
-    options = dict(rule="paper", t=1e-9, decision="rule", max_growths=2, monitor=None, every_n_epochs=1, restore_best=False,
+    # decision="rule" with t≈0: this checks the growth mechanics on the device, so every check grows
+    options = dict(rule="paper", t=1e-9, decision="rule", min_gain=None, max_growths=2, monitor=None, every_n_epochs=1,
                    verbose=False)  # fmt: skip
     if "min_stage_epochs" in inspect.signature(GrowUntilSaturated).parameters:
         options["min_stage_epochs"] = 1  # check after every epoch

@@ -22,7 +22,7 @@ for job in "$@"; do
     k2g3) extra="$cb.min_gain=0.03";;
     k2paper) extra="$cb.decision=rule $cb.rule=paper";;
     k2crossfit) extra="$cb.decision=rule $cb.rule=crossfit";;
-    k2trial) extra="$cb.decision=trial $cb.trial_epochs=0.5 $cb.trial_lr=0.001 $cb.trial_sites=3";;
+    k2trial) extra="$cb.decision=trial $cb.trial_epochs=0.5";;  # trial_lr 0.001, 3 sites: constants since
     *) echo "unknown variant $variant"; exit 2;;
   esac
   mkdir -p $out/$variant

@@ -31,6 +31,8 @@ import os
 import sys
 from typing import Any
 
+import yaml
+
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
@@ -233,6 +235,10 @@ def main(args: ArgsType = None, cli_class: type[LightningCLI] = GrowtrainCLI) ->
     ``error:`` line and exit status 2, like a parse error; everything else keeps its traceback.
     """
     quiet_upstream_noise()
+    removed = _removed_options(sys.argv[1:] if args is None else args)
+    if removed is not None:  # an option of an earlier version: say which and what to do, not "not accepted"
+        sys.stderr.write(f"error: {removed}\n")
+        raise SystemExit(2)
     try:
         cli_class(args=args)
     except Exception as error:
@@ -253,6 +259,30 @@ def _config_files(argv: Any) -> list[str]:
         elif arg.startswith("--config="):
             files.append(arg.split("=", 1)[1])
     return [os.fspath(f) for f in files]
+
+
+def _removed_options(argv: Any) -> str | None:
+    """The message for ``GrowUntilSaturated`` options removed in an earlier release, given on the
+    command line (``--trainer.callbacks[.init_args].NAME``) or under the callback's ``init_args`` in
+    a ``--config`` file; ``None`` when there are none."""
+    from growtrain.callbacks.growth_config import REMOVED, removed_message
+
+    names = []
+    for arg in argv if isinstance(argv, (list, tuple)) else []:
+        key = str(arg).split("=", 1)[0]
+        if key.startswith("--trainer.callbacks.") and key.rsplit(".", 1)[-1] in REMOVED:
+            names.append(key.rsplit(".", 1)[-1])
+    for path in _config_files(argv):
+        try:
+            with open(path) as f:
+                config = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError):  # the parser reports a missing or broken file itself
+            continue
+        callbacks = ((config or {}).get("trainer") or {}).get("callbacks") if isinstance(config, dict) else None
+        for cb in callbacks if isinstance(callbacks, list) else [callbacks] if isinstance(callbacks, dict) else []:
+            if isinstance(cb, dict) and str(cb.get("class_path", "")).endswith("GrowUntilSaturated"):
+                names += [k for k in (cb.get("init_args") or {}) if k in REMOVED]
+    return removed_message(dict.fromkeys(names))
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m growtrain.cli`

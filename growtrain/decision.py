@@ -6,15 +6,17 @@ verdicts it could compute, and states, when it is built, which rule made its dec
 * ``"paper"`` — Proposition 1: saturated iff ``Γ̂_n ≤ δ + t``, ``t = sqrt(Σ_l σ̂²_l/(nα))``.
 * ``"crossfit"`` — grow iff some site's cross-fit lower bound on ``‖g_l‖`` (level ``α/K``)
   exceeds the absolute margin ``δ`` (``growtrain.crossfit``).
-* ``"crossfit"`` is the callback's default, with ``min_gain``: after a growth, grow again iff
-  that block lowered the probe loss by a certified > ``min_gain`` of it (:func:`gain_verdict`).
+* ``"crossfit"`` is the callback's default rule; with ``min_gain`` the callback's decision is a
+  block-only trial (``growtrain.trial``) or the periodic window (``growtrain.window``), and the rule
+  only ranks the sites.
 * ``"relative"`` — grow iff some site's cross-fit lower bound exceeds
   ``max(δ, τ · R)``, where ``R`` is the root-mean-square population gradient norm of the
   *existing* blocks' terminal maps, estimated without bias on half ``A`` of the same probe
   pass (:func:`debiased_reference`). ``R`` is fixed given ``A`` and the bound uses only ``B``,
   so the test keeps its level conditionally on ``A``. The ratio of two gradient norms of the
   same loss is unchanged by scaling the loss and has no learning-rate units: the decision is
-  scale-free. Why this rule and how ``τ`` was chosen: ``docs/decision.md``.
+  scale-free. Why this rule and how ``τ`` was chosen: ``docs/decision.md``. It did not track
+  depth on real data: it is reported (``growtrain measure``), not a callback option.
 
 Callback-level decisions (``should_check``, ``plateau_update``, ``budget_reason``,
 ``rank_sites``, ``decide_growth``) live here too: the hooks of ``GrowUntilSaturated`` gather
@@ -41,14 +43,12 @@ __all__ = [
     "relative_verdict",
     "debiased_reference",
     "check_tau",
-    "PROBE_COST",
     "should_check",
     "plateau_update",
     "budget_reason",
     "decide_growth",
     "insertion_tolerance",
     "check_min_gain",
-    "gain_verdict",
 ]
 
 Rule = Literal["paper", "crossfit", "relative"]
@@ -177,10 +177,6 @@ def debiased_reference(
 
 
 # -- when to check, and what to do after a verdict (the callback's pure functions) ------------
-# Cost of one probe sample in training-sample equivalents (one forward+backward+step), used by
-# ``probe_budget``; conservative: bench/callback.py measured 1.8-2.6 (basic family, calibration on,
-# fashion-mnist-mini, shared 2-core CPU); docs/design.md measured 1.6-2.3 without calibration.
-PROBE_COST = 3.0
 # Absolute tolerance per unit of output scale for the insertion check, by output dtype.
 _TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -188,28 +184,21 @@ _TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, t
 def should_check(
     *,
     finished: str | None,
-    cooldown_left: int,
     epochs_since_check: int,
     every_n_epochs: int,
     monitor: str | None,
     plateaued: bool,
     min_stage_epochs: int = 1,
     stage_epochs: int | None = None,
-    probe_budget: float | None = None,
-    probe_samples: int = 0,
-    trained_samples: int = 0,
 ) -> tuple[bool, str]:
     """Whether this train-epoch end runs a probe check, and why (or why not).
 
     With ``monitor`` a check needs the metric to have plateaued *and* the current stage (epochs
     since the last growth, ``stage_epochs``) to be at least ``min_stage_epochs`` long; without it,
-    every ``every_n_epochs``. With ``probe_budget`` a due check also needs the samples trained
-    since the last check to pay for it: ``PROBE_COST · probe_samples ≤ probe_budget · trained_samples``.
+    every ``every_n_epochs``.
     """
     if finished is not None:
         return False, f"growth has ended ({finished})"
-    if cooldown_left > 0:
-        return False, f"cooldown after growth: {cooldown_left} epoch(s) left"
     if monitor is not None:
         stage = epochs_since_check if stage_epochs is None else stage_epochs
         if stage < min_stage_epochs:
@@ -221,9 +210,6 @@ def should_check(
         why = f"every {every_n_epochs} epoch(s)"
     else:
         return False, f"next check in {every_n_epochs - epochs_since_check} epoch(s)"
-    if probe_budget is not None and PROBE_COST * probe_samples > probe_budget * trained_samples:
-        need = math.ceil(PROBE_COST * probe_samples / probe_budget)
-        return False, f"probe_budget={probe_budget}: postponed until {need} trained samples ({trained_samples} so far)"
     return True, why
 
 
@@ -248,16 +234,12 @@ def budget_reason(
     *,
     growths: int,
     max_growths: int | None,
-    depth: int | None,
-    max_blocks: int | None,
     params: int,
     max_params: int | None,
 ) -> str | None:
     """The budget that forbids any further growth, or ``None`` when growth is still allowed."""
     if max_growths is not None and growths >= max_growths:
         return f"max_growths={max_growths} reached ({growths} growth step(s) done)"
-    if max_blocks is not None and depth is not None and depth >= max_blocks:
-        return f"max_blocks={max_blocks} reached (depth {depth})"
     if max_params is not None and params >= max_params:
         return f"max_params={max_params} reached ({params} parameters)"
     return None
@@ -270,8 +252,6 @@ def decide_growth(
     block_params: dict[str, int],
     growths: int,
     max_growths: int | None,
-    depth: int | None,
-    max_blocks: int | None,
     params: int,
     max_params: int | None,
     reason: str = "",
@@ -280,17 +260,12 @@ def decide_growth(
     ``("budget", why, [])``. Sites are taken in rank order while the budgets allow."""
     if saturated or not ranked:
         return "saturated", reason or "no site certifies first-order gain", []
-    blocked = budget_reason(
-        growths=growths, max_growths=max_growths, depth=depth, max_blocks=max_blocks,
-        params=params, max_params=max_params,
-    )  # fmt: skip
+    blocked = budget_reason(growths=growths, max_growths=max_growths, params=params, max_params=max_params)
     if blocked is not None:
         return "budget", blocked, []
     chosen: list[str] = []
     total = params
     for name in ranked:
-        if max_blocks is not None and depth is not None and depth + len(chosen) + 1 > max_blocks:
-            break
         if max_params is not None and total + block_params.get(name, 0) > max_params:
             continue
         chosen.append(name)
@@ -306,7 +281,7 @@ def insertion_tolerance(dtype: torch.dtype, scale: float) -> float:
     return _TOLERANCE.get(dtype, 1e-5) * max(1.0, float(scale))
 
 
-# -- did the last growth pay? ----------------------------------------------------------------
+# -- min_gain ---------------------------------------------------------------------------------
 def check_min_gain(value: object) -> float | None:
     """``min_gain``: ``None`` (off) or a finite fraction ≥ 0 of the probe loss."""
     if value is None:
@@ -317,16 +292,3 @@ def check_min_gain(value: object) -> float | None:
             f"growth must have certifiably lowered it); got {value!r}. Fix: pass min_gain=0.01 (1 %) or None."
         )
     return float(value)
-
-
-def gain_verdict(gain: dict) -> Verdict:
-    """The verdict of :func:`growtrain.gain.gain_test`'s figures: paid iff the certified lower
-    bound on the mean per-sample gain exceeds ``min_gain · loss_before`` (strictly). Both sides
-    scale with the loss, so a loss in other units makes the same decision; no learning rate enters.
-    A stop has no upper bound behind it: the last block's gain above ``min_gain`` was not ruled out."""
-    what = (f"the last growth lowered the probe loss by {gain['mean']:.4g} (lower bound {gain['lower']:.4g}, "
-            f"{gain['method']} at level {gain['level']:.3g}) vs min_gain·loss = {gain['margin']:.4g}")  # fmt: skip
-    if gain["paid"]:
-        return Verdict("gain", False, None, gain["lower"], gain["margin"], f"paid: {what}")
-    return Verdict("gain", True, None, gain["lower"], gain["margin"],
-                   f"no certified gain: depth stopped paying: {what}")  # fmt: skip

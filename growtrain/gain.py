@@ -39,7 +39,7 @@ GainMethod = Literal["bootstrap_t", "normal"]
 # "normal" is the plain CLT bound, kept as the reference the level study measures against.
 GAIN_METHODS: tuple[str, ...] = ("bootstrap_t", "normal")
 _RESAMPLES = 2000  # at level 0.05: 100 resamples beyond the quantile
-_MIN_TAIL = 50  # resamples beyond the quantile at small levels (alpha_spending): B ≥ 50 / level
+_MIN_TAIL = 50  # resamples beyond the quantile at small levels (a Bonferroni share of α): B ≥ 50 / level
 _MAX_RESAMPLES = 20000
 _CHUNK = 1 << 22  # indices drawn per chunk (32 MiB of int64): bounded memory for any probe size
 
@@ -150,12 +150,12 @@ def signature_mismatch(stored: torch.Tensor, now: torch.Tensor, rtol: float = 1e
     """``None`` when the two fingerprints are the same samples in the same order; else what differs."""
     stored, now = stored.double(), now.double()
     if stored.shape != now.shape:
-        return f"the probe had {stored.numel()} samples at the last growth and has {now.numel()} now"
+        return f"the probe had {stored.numel()} samples at the reference check and has {now.numel()} now"
     scale = torch.maximum(stored.abs(), now.abs()).clamp_min(1.0)
     differ = ((stored - now).abs() > rtol * scale).nonzero().flatten()
     if differ.numel() == 0:
         return None
     same_set = torch.allclose(torch.sort(stored).values, torch.sort(now).values, rtol=rtol, atol=rtol)
     kind = "the same samples in another order" if same_set else "other samples (content differs)"
-    return (f"{differ.numel()} of {now.numel()} probe samples differ from the last growth's, first at position "
+    return (f"{differ.numel()} of {now.numel()} probe samples differ from the reference check's, first at position "
             f"{int(differ[0])}: {kind}")  # fmt: skip

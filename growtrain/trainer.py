@@ -283,7 +283,7 @@ class GrowTrainer(BaseGrowTrainer):
         from growtrain.callbacks import growth_callbacks  # here, so growtrain.trainer does not re-export it
 
         growers = growth_callbacks(self.callbacks)  # the configured callback drew the fit's candidates
-        fit_growth = {"seed": getattr(growers[0], "seed", None), "calibrate": getattr(growers[0], "calibrate", None),
+        fit_growth = {"seed": getattr(growers[0], "seed", None),
                       "precision": str(self.precision)} if growers else None  # fmt: skip
         with warnings.catch_warnings():  # the split warning was given above, once
             warnings.filterwarnings("ignore", message="allow_other_split: ", category=UserWarning)

@@ -31,7 +31,7 @@ from torch import nn
 from growtrain.decision import Verdict
 from growtrain.gain import gain_lower_bound, gain_test
 
-__all__ = ["DEFAULT_TRIAL_EPOCHS", "DEFAULT_TRIAL_LR", "DEFAULT_TRIAL_HOLDOUT", "train_block", "trial_test",
+__all__ = ["DEFAULT_TRIAL_EPOCHS", "DEFAULT_TRIAL_LR", "DEFAULT_TRIAL_HOLDOUT", "TRIAL_SITES", "train_block", "trial_test",
            "trial_certified", "trial_verdict", "label_entropy", "constant_prediction_loss", "at_chance"]  # fmt: skip
 
 # Chosen by the decision study (docs/decision.md): half an epoch of Adam at 1e-3 per site.
@@ -43,6 +43,9 @@ DEFAULT_TRIAL_LR = 1e-3
 # Bonferroni-corrected bound (z ≈ 2.13) ≈ 94 % power to certify a 2 % gain above min_gain = 1 %
 # (10,000 gave 72 %; docs/decision.md, "The decision study").
 DEFAULT_TRIAL_HOLDOUT = 20000
+# Sites tried per check: the best first-order site of each stage of a three-stage ResNet, best first
+# (Bonferroni over them); a network with more stages tries its three best.
+TRIAL_SITES = 3
 HOLDOUT_FRACTION = 0.4
 # A trial trains at least this many steps, however small the epoch (half an epoch of 2000 images
 # is 8 steps: too few for a block to show its worth).

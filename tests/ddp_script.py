@@ -29,7 +29,7 @@ import os
 import lightning as L
 import torch
 
-from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks import GrowUntilSaturated, editor
 from growtrain.data import ImageDataModule
 from growtrain.growable import grown_blocks
 from growtrain.module import ImageClassifier
@@ -51,7 +51,7 @@ class Snapshot(L.Callback):
         self.info: dict = {}
 
     def on_train_epoch_end(self, trainer, pl_module):
-        if trainer.current_epoch == 1:  # the second check: a gain verdict
+        if trainer.current_epoch == 1:  # the second check: under the window rule, the first judged one
             self.info["growth_log_check1"] = [dict(r) for r in pl_module.network.growth_log]
             if trainer.global_rank == 0:
                 torch.save(pl_module.state_dict(), os.path.join(self.out, "pre_check1.pt"))
@@ -92,25 +92,23 @@ class AfterCheck(L.Callback):
             torch.save(blocks[0].state_dict(), os.path.join(self.out, f"inserted{trainer.global_rank}.pt"))
 
 
-def fit(out: str, epochs: int, same_buffers: bool, restore_best: bool = True, trial_gain: float | None = None,
-        periodic: bool = False) -> None:
+def fit(out: str, epochs: int, same_buffers: bool, trial_gain: float | None = None, periodic: bool = False) -> None:
     os.makedirs(out, exist_ok=True)
     L.seed_everything(0)
     data = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=400, synthetic_classes=4,
                            probe_size=91, val_size=10, batch_size=32, augment=False)  # fmt: skip
     module = ImageClassifier(width=4, num_classes=4)
     # cross-fit rule (its A/B split all-reduces mid-pass); 91 probe samples: shards of 46 and 45.
-    # min_gain=0: every rank also scores the whole probe per sample (rank 0's losses broadcast), and
-    # the second check (end of epoch 1) judges the first growth by its realized gain.
-    # (The negative control keeps an unpaid block, restore_best=False, so its drift stays visible.)
+    # the rule decides every check (the first is replayed in one process by the test);
     # trial_gain: the block-only trial decision instead, with that min_gain (5.0: no trial can pay)
-    decision = {"decision": "gain", "min_gain": 0.0} if trial_gain is None else {
-        "decision": "trial", "min_gain": trial_gain, "trial_epochs": 0.5, "trial_holdout": 32}
-    if periodic:  # the periodic schedule's window rule: every check pairs the whole probe's losses with a window ago
+    decision = {"decision": "rule", "min_gain": None} if trial_gain is None else {
+        "decision": "trial", "min_gain": trial_gain, "trial_epochs": 0.5}
+    if periodic:  # the periodic schedule's window rule: every rank scores the whole probe per sample (rank 0's
+        # losses broadcast) and pairs them with a window ago; the second check (epoch 1) judges epoch 0's
         decision = {"schedule": "periodic", "decision": "window", "window": 1, "min_gain": 0.0, "on_saturated": "anneal",
                     "anneal_epochs": 1}  # fmt: skip
     grow = GrowUntilSaturated(monitor=None, rule="crossfit", max_growths=2, every_n_epochs=1, **decision,
-                              restore_best=restore_best, verbose=False)  # fmt: skip
+                              verbose=False)  # fmt: skip
     snapshot = Snapshot(out, same_buffers)
     trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=epochs,
                         callbacks=[snapshot, grow, AfterCheck(out, snapshot.info)],
@@ -124,7 +122,6 @@ def fit(out: str, epochs: int, same_buffers: bool, restore_best: bool = True, tr
         "rank": rank,
         "world_size": trainer.world_size,
         "history": grow.history,
-        "gain_reference": grow.gain_reference,
         "window_entries": grow._window.entries if grow._window is not None else None,
         "growth_log": module.network.growth_log,
         "param_groups": [g.get("name") for g in trainer.optimizers[0].param_groups],
@@ -150,14 +147,14 @@ def main() -> None:
                         help="afterwards, the trial decision: an impossible min_gain into OUT1, min_gain=0 into OUT2")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    real_rewrap = GrowUntilSaturated.__dict__["_rewrap_ddp"]  # the staticmethod itself, to put back
+    real_rewrap = editor.rewrap_ddp  # the function the callback calls, to put back
     if args.no_rewrap:
-        GrowUntilSaturated._rewrap_ddp = staticmethod(lambda trainer: None)
-    fit(args.out, args.epochs, args.same_buffers, restore_best=not args.no_rewrap)
+        editor.rewrap_ddp = lambda trainer: None
+    fit(args.out, args.epochs, args.same_buffers)
     if args.then_no_rewrap:
-        GrowUntilSaturated._rewrap_ddp = staticmethod(lambda trainer: None)
-        fit(args.then_no_rewrap, args.epochs, args.same_buffers, restore_best=False)
-        GrowUntilSaturated._rewrap_ddp = real_rewrap
+        editor.rewrap_ddp = lambda trainer: None
+        fit(args.then_no_rewrap, args.epochs, args.same_buffers)
+        editor.rewrap_ddp = real_rewrap
     if args.then_trial:
         fit(args.then_trial[0], 1, False, trial_gain=5.0)
         fit(args.then_trial[1], 2, False, trial_gain=0.0)

@@ -196,12 +196,12 @@ def fit(args, name: str) -> None:
         module.fsdp_policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
                               "reshard_after_forward": False}  # fmt: skip
     after = AfterGrowth()
-    decision = {"decision": "gain"}
+    decision = {"decision": "rule", "min_gain": None}  # the cross-fit rule at alpha=0.5 decides every check
     if run.startswith("window"):  # the periodic schedule's window rule: fsdp ("window") against ddp ("windowddp")
         decision = {"schedule": "periodic", "decision": "window", "window": 1, "on_saturated": "anneal",
                     "anneal_epochs": 1}  # fmt: skip
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, rule="crossfit", min_gain=0.0, max_growths=2,
-                              alpha=0.5, verbose=False, seed=1, **decision)  # fmt: skip
+    grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, rule="crossfit", max_growths=2, alpha=0.5, verbose=False,
+                              seed=1, **({"min_gain": 0.0} | decision))  # fmt: skip
     ckpt_dir = os.path.join(out, f"{name}_ckpt")
     callbacks = [grow, after]
     strategy: object = "ddp"

@@ -20,12 +20,12 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-import growtrain.callbacks.growth as callback_module
+import growtrain.callbacks.probe_check as probe_check_module
 from growtrain.callbacks import telemetry
 from growtrain.callbacks.editor import insertion_order as _insertion_order
 from growtrain.callbacks.growth import FunctionChangedError, GrowUntilSaturated
 from growtrain.callbacks.probe_data import probe_overlap
-from growtrain.decision import PROBE_COST, decide_growth, plateau_update, should_check
+from growtrain.decision import decide_growth, plateau_update, should_check
 from growtrain.saturation_report import rank_sites
 from growtrain.data import ImageDataModule
 from growtrain.growable import GrowableStack, grown_blocks
@@ -56,7 +56,7 @@ class CountSteps(L.Callback):
 
 # -- the real thing ------------------------------------------------------------------------
 def test_grows_then_stops_at_saturation(tmp_path):
-    """Paper rule, α = 0.05, cooldown 1, on learnable synthetic data: the untrained net starts
+    """Paper rule, α = 0.05, a check every epoch, on learnable synthetic data: the untrained net starts
     far from a minimum (large probe gradients: grow), and a few epochs of training on 350
     separable images flatten it (saturated, stop). Each decision is checked against its own
     numbers recomputed from the per-site figures (Γ̂ = max ‖ĝ_l‖, t = sqrt(Σσ̂²_l/(nα)))
@@ -65,7 +65,7 @@ def test_grows_then_stops_at_saturation(tmp_path):
     L.seed_everything(0)
     dm, module = tiny_dm(), ImageClassifier(width=4, num_classes=4)
     depth0, params0 = module.network.depth(), sum(p.numel() for p in module.parameters())
-    grow = GrowUntilSaturated(monitor=None, rule="paper", cooldown=1, min_gain=None, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, rule="paper", min_gain=None, verbose=False)
     logger = CSVLogger(tmp_path, name="run")
     trainer = tiny_trainer(tmp_path, [grow], logger=logger, log_every_n_steps=1)
     trainer.fit(module, dm)
@@ -128,34 +128,25 @@ def test_table_printed_once_per_decision(tmp_path, monkeypatch):
     assert "max_growths=1 reached" in tables[1]
 
 
-def test_top_k_inserts_distinct_sites_with_valid_indices(tmp_path):
+def test_a_check_grows_one_block_at_the_best_site(tmp_path):
+    """top_k was removed: a check that grows inserts exactly one block, at the site with the
+    largest ‖ĝ‖ (the paper rule's Γ̂ = max_l ‖ĝ_l‖), recomputed here from the per-site figures."""
     L.seed_everything(0)
     module = ImageClassifier(width=4, num_classes=4, blocks=(2, 1, 1))
-    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="paper", t=1e-9, top_k=3, max_growths=1, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="paper", t=1e-9, max_growths=1, verbose=False)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
     trainer.fit(module, tiny_dm(synthetic_size=200, probe_size=40))
     first = grow.history[0]
-    assert first["action"] == "grow" and len(first["sites"]) == 3 == len(set(first["sites"]))
-    assert first["max_abs_change"] == 0.0  # fp32, eval: bit-exact
-    # the report's ranking: the best site first, then by ‖ĝ‖
     scores = {s["site"]: s["grad_norm"] for s in first["site_scores"]}
-    assert first["sites"][0] == first["best_site"]
-    assert scores[first["sites"][1]] >= scores[first["sites"][2]]
-    # each chosen pre-insertion position got exactly one new block
+    assert len(scores) == 5  # three insertion points in layer1, one after each later stage's block
+    best = max(scores, key=scores.get)
+    assert first["action"] == "grow" and first["sites"] == [best] == [first["site"]]
+    assert first["max_abs_change"] == 0.0  # fp32, eval: bit-exact
     log = module.network.growth_log
-    assert len(log) == 3 and grow.history[1]["action"] == "budget"
-    per_stage = {}
-    for name in first["sites"]:
-        stage, _, index = name.rpartition(".")
-        per_stage.setdefault(stage, []).append(int(index))
-    for stage, indices in per_stage.items():
-        # after inserting at sorted original positions p_0 < p_1 < ..., block j sits at p_j + j
-        blocks = list(module.network.stage(stage))
-        grown = grown_blocks(module.network)
-        positions = sorted(i for i, b in enumerate(blocks) if any(b is g for g in grown))
-        assert positions == [p + j for j, p in enumerate(sorted(indices))]
+    assert [r["site"] for r in log] == [best] and grow.history[1]["action"] == "budget"
+    assert module.network.depth() == 5 and len(grown_blocks(module.network)) == 1
     names = [g.get("name") for g in trainer.optimizers[0].param_groups]
-    assert names == ["base", "growth0", "growth1", "growth2"]
+    assert names == ["base", "growth0"]
 
 
 def test_continue_keeps_training_without_further_checks(tmp_path):
@@ -170,18 +161,18 @@ def test_continue_keeps_training_without_further_checks(tmp_path):
 
 def test_budget_ends_growth_but_not_training(tmp_path):
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="paper", t=1e-9, max_blocks=4, verbose=False)
+    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="paper", t=1e-9, max_growths=1, verbose=False)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=3)
     module = ImageClassifier(width=4, num_classes=4)
     trainer.fit(module, tiny_dm(synthetic_size=200, probe_size=40))
     assert [h["action"] for h in grow.history] == ["grow", "budget"]
-    assert "max_blocks=4" in grow.history[1]["reason"] and grow.history[1]["gamma"] is None  # no probe spent
+    assert "max_growths=1 reached" in grow.history[1]["reason"] and grow.history[1]["gamma"] is None  # no probe spent
     assert module.network.depth() == 4 and trainer.current_epoch == 3
 
 
-def test_function_change_is_rolled_back_with_a_clear_error(tmp_path):
+def test_function_change_is_rolled_back_with_a_clear_error(tmp_path, monkeypatch):
     """A candidate that changes the output (here: a hook adds 1) is removed again and fit fails."""
-    real = callback_module.measure_saturation
+    real = probe_check_module.measure_saturation  # the check's probe pass (probe_check.py)
 
     def tampered(*args, **kwargs):
         report = real(*args, **kwargs)
@@ -193,12 +184,9 @@ def test_function_change_is_rolled_back_with_a_clear_error(tmp_path):
     module = ImageClassifier(width=4, num_classes=4)
     grow = GrowUntilSaturated(monitor=None, decision="rule", rule="paper", t=1e-9, verbose=False)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
-    callback_module.measure_saturation = tampered
-    try:
-        with pytest.raises(FunctionChangedError, match="insertion was undone"):
-            trainer.fit(module, tiny_dm(synthetic_size=200, probe_size=40))
-    finally:
-        callback_module.measure_saturation = real
+    monkeypatch.setattr(probe_check_module, "measure_saturation", tampered)
+    with pytest.raises(FunctionChangedError, match="insertion was undone"):
+        trainer.fit(module, tiny_dm(synthetic_size=200, probe_size=40))
     net = module.network
     assert net.growth_log == [] and net._grown_blocks == [] and net.depth() == 3
     assert [len(net.stage(s)) for s in net.growable_stages] == [1, 1, 1]
@@ -273,16 +261,16 @@ def test_users_own_module_with_probe_loader_and_loss(tmp_path):
         ({"rule": "bonferroni"}, "rule"),
         ({"on_saturated": "halt"}, "on_saturated"),
         ({"lr_schedule": "reset"}, "lr_schedule"),
-        ({"alpha_spending": "linear"}, "alpha_spending"),
         ({"mode": "up"}, "mode"),
-        ({"top_k": 0}, "top_k"),
         ({"every_n_epochs": 0}, "every_n_epochs"),
-        ({"cooldown": -1}, "cooldown"),
-        ({"probe_budget": 0.0}, "probe_budget"),
-        ({"probe_budget": 2}, "probe_budget"),
         ({"max_growths": -1}, "max_growths"),
         ({"max_params": 0}, "max_params"),
-        ({"projected": "yes"}, "projected"),
+        ({"rule": "relative"}, "rule"),
+        ({"decision": "gain"}, "decision"),
+        ({"decision": "window"}, "decision"),
+        ({"window": 0}, "window"),
+        ({"trial_epochs": 0}, "trial_epochs"),
+        ({"min_gain": -0.1}, "min_gain"),
         ({"network": 3}, "network"),
         ({"loss_fn": "ce"}, "loss_fn"),
     ],
@@ -376,40 +364,21 @@ def test_missing_monitor_metric_is_a_clear_error(tmp_path):
 
 
 # -- pure decision functions ------------------------------------------------------------------
-def test_should_check_schedule_cooldown_and_plateau():
-    base = dict(finished=None, cooldown_left=0, epochs_since_check=1, every_n_epochs=1, monitor=None, plateaued=False)
-    assert should_check(**base)[0]
-    assert not should_check(**(base | {"every_n_epochs": 2}))[0]
+def test_should_check_schedule_and_plateau():
+    base = dict(finished=None, epochs_since_check=1, every_n_epochs=1, monitor=None, plateaued=False)
+    assert should_check(**base) == (True, "every 1 epoch(s)")
+    assert should_check(**(base | {"every_n_epochs": 2})) == (False, "next check in 1 epoch(s)")
     assert should_check(**(base | {"every_n_epochs": 2, "epochs_since_check": 2}))[0]
-    assert not should_check(**(base | {"cooldown_left": 1}))[0]
     assert not should_check(**(base | {"finished": "saturated"}))[0]
     assert not should_check(**(base | {"monitor": "train_loss"}))[0]
     ok, why = should_check(**(base | {"monitor": "train_loss", "plateaued": True}))
     assert ok and "plateau" in why
-    # probe_budget: PROBE_COST × 100 probe samples at 5% need PROBE_COST × 2000 trained samples
-    budget = base | {"probe_budget": 0.05, "probe_samples": 100}
-    need = int(PROBE_COST * 2000)
-    ok, why = should_check(**(budget | {"trained_samples": need - 1}))
-    assert not ok and f"postponed until {need}" in why
-    assert should_check(**(budget | {"trained_samples": need}))[0]
 
 
-def test_probe_budget_postpones_checks_by_trained_samples(tmp_path):
-    # 200 probe samples at 20% need PROBE_COST × 1000 trained samples; an epoch is 5 batches of
-    # 32 = 160 samples, so the first check is due after ceil(PROBE_COST × 1000 / 160) epochs
-    due = math.ceil(PROBE_COST * 1000 / 160)
-    L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, probe_budget=0.2, decision="rule", rule="paper", t=1e3, verbose=False)
-    trainer = tiny_trainer(tmp_path, [grow], max_epochs=due + 1, limit_train_batches=5)
-    trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm())
-    assert [h["epoch"] for h in grow.history] == [due - 1]
-    assert grow.state_dict()["trained_since_check"] == 0
-
-
-def test_crossfit_rule_with_alpha_spending(tmp_path, monkeypatch):
-    """Cross-fit bound, geometric α-spending, δ = 0.1: the untrained net's lower bound clears δ
-    (grow), training flattens it (saturated, stop). Check k runs at α_k = α·2^-(k+1), split
-    over the K sites scored then; each decision follows from its own site bounds."""
+def test_crossfit_rule_tests_every_check_at_alpha(tmp_path, monkeypatch):
+    """Cross-fit bound, δ = 0.1: the untrained net's lower bound clears δ (grow), training flattens
+    it (saturated, stop). alpha_spending was removed: every check runs at α itself, split over the
+    K sites scored then; each decision follows from its own site bounds."""
     import growtrain.crossfit as crossfit_module
 
     used = []  # the level each decision's lower bounds were computed at, where they are computed
@@ -421,13 +390,14 @@ def test_crossfit_rule_with_alpha_spending(tmp_path, monkeypatch):
 
     monkeypatch.setattr(crossfit_module, "_bound_factor", spy)
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="crossfit", delta=0.1, alpha_spending="geometric", cooldown=1,
-                              min_gain=None, verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="crossfit", delta=0.1, min_gain=None,
+                              verbose=False)  # fmt: skip
     trainer = tiny_trainer(tmp_path, [grow])
     trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm())
     actions = [h["action"] for h in grow.history]
     assert actions[0] == "grow" and actions[-1] == "saturated" and set(actions[:-1]) == {"grow"}
-    levels = [0.05 * 2.0 ** -(k + 1) for k in range(len(actions))]
+    assert len(actions) >= 2  # more than one check: the level stays α at each
+    levels = [0.05] * len(actions)
     assert [h["level"] for h in grow.history] == pytest.approx(levels, rel=1e-15)
     # Bonferroni over the K sites scored at that check, inside the bound computation itself
     sites = [len(h["site_scores"]) for h in grow.history]
@@ -457,14 +427,14 @@ def test_plateau_update_counts_epochs_without_improvement():
 
 
 def test_decide_growth_budgets_and_saturation():
-    common = dict(block_params={"a.0": 10, "a.1": 10, "b.1": 50}, growths=0, max_growths=None, depth=3,
-                  max_blocks=None, params=100, max_params=None)  # fmt: skip
+    common = dict(block_params={"a.0": 10, "a.1": 10, "b.1": 50}, growths=0, max_growths=None, params=100,
+                  max_params=None)  # fmt: skip
     assert decide_growth(saturated=True, ranked=[], **common)[0] == "saturated"
     action, why, sites = decide_growth(saturated=False, ranked=["b.1", "a.0"], **common)
     assert (action, sites) == ("grow", ["b.1", "a.0"])
     assert decide_growth(saturated=False, ranked=["b.1"], **(common | {"growths": 2, "max_growths": 2}))[0] == "budget"
-    action, _, sites = decide_growth(saturated=False, ranked=["b.1", "a.0", "a.1"], **(common | {"max_blocks": 5}))
-    assert sites == ["b.1", "a.0"]  # depth 3 + 2 = 5
+    assert decide_growth(saturated=False, ranked=["b.1"], **(common | {"params": 200, "max_params": 200}))[:2] == (
+        "budget", "max_params=200 reached (200 parameters)")
     action, _, sites = decide_growth(saturated=False, ranked=["b.1", "a.0"], **(common | {"max_params": 115}))
     assert sites == ["a.0"]  # b.1 does not fit, a.0 does
     action, why, sites = decide_growth(saturated=False, ranked=["b.1"], **(common | {"max_params": 120}))

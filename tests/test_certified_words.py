@@ -69,7 +69,11 @@ SMALL = {"site": "layer3.1", "paid": False, "lower_frac": 0.001, "gain_frac": 0.
 WIDE = {"site": "layer1.1", "paid": False, "lower_frac": -0.01, "gain_frac": 0.005, "upper_frac": 0.02,
         "level": 0.0167, "n": 500}  # fmt: skip
 WINDOW = {"gain_frac": -0.005, "level": 0.05, "n": 100}
-GAIN = {"mean": 0.001, "lower": -0.002, "method": "bootstrap-t", "level": 0.05, "margin": 0.004, "paid": False}
+# the stop an earlier version's decision="gain" (removed) wrote into a history that a resumed fit or
+# gamma_trace.png still shows: the verdict its gain_verdict made, never certified
+OLD_GAIN_STOP = dec.Verdict("gain", True, None, -0.002, 0.004, "no certified gain: depth stopped paying: the last "
+                            "growth lowered the probe loss by 0.001 (lower bound -0.002, bootstrap-t at level 0.05) "
+                            "vs min_gain·loss = 0.004")  # fmt: skip
 
 # every rule's stop, and whether it certified saturation (an upper bound below the margin)
 STOPS = {
@@ -86,7 +90,7 @@ STOPS = {
     "paper rule": (lambda: dec.paper_verdict(0.1, "layer1.1", 0.0, 0.5), False),
     "cross-fit rule": (lambda: dec.crossfit_verdict([-0.1, 0.0], ["layer1.1", "layer2.1"], 0.0, 0.01), False),
     "relative rule": (lambda: dec.relative_verdict([0.1], ["layer1.1"], 0.5, 0.5, 0.0, 0.01), False),
-    "realized gain": (lambda: dec.gain_verdict(GAIN), False),
+    "realized gain (an earlier version's history)": (lambda: OLD_GAIN_STOP, False),
 }
 
 
@@ -104,12 +108,12 @@ def probed():
 def history_of(verdict, net, report) -> list[dict]:
     """A grow check and the stop ``verdict`` made, as the callback records them (decide_growth,
     then telemetry.check_record with the verdict's ``certified``)."""
-    common = dict(block_params={}, growths=1, max_growths=None, depth=4, max_blocks=None, params=100, max_params=None)
+    common = dict(block_params={}, growths=1, max_growths=None, params=100, max_params=None)
     grow = {"check": 0, "epoch": 4, "step": 40, "depth_before": 3}
-    grow.update(telemetry.check_record(report, "grow", "grow: the block at layer1.1 pays", ["layer1.1"], net, 4, True))
+    grow.update(telemetry.check_record(report, "grow", "grow: the block at layer1.1 pays", ["layer1.1"], net, 4))
     action, reason, sites = dec.decide_growth(saturated=verdict.saturated, ranked=[], reason=verdict.reason, **common)
     stop = {"check": 1, "epoch": 9, "step": 90, "depth_before": 4, verdict.rule: verdict.to_dict()}
-    stop.update(telemetry.check_record(report, action, reason, sites, net, 4, True, certified=verdict.certified))
+    stop.update(telemetry.check_record(report, action, reason, sites, net, 4, certified=verdict.certified))
     return [telemetry.plain(grow), telemetry.plain(stop)]
 
 
@@ -156,18 +160,21 @@ def test_the_logged_saturated_metric_is_one_only_at_a_certified_stop(probed):
     trainer = SimpleNamespace(loggers=[SimpleNamespace(log_metrics=lambda m, step: logged.append(m))], global_step=9)
     for name, (make, certified) in STOPS.items():
         record = history_of(make(), net, report)[-1]
-        telemetry.log_check(trainer, report, record, log_sites=False)
+        telemetry.log_check(trainer, report, record)
         assert logged[-1]["growth/saturated"] == float(certified), name
+        # per-site figures are always logged and kept (log_sites was removed)
+        assert {f"growth/{r.name}/grad_norm": float(r.grad_norm) for r in report.sites}.items() <= logged[-1].items()
+        assert record["site_scores"] == telemetry.plain([r.to_dict() for r in report.sites]), name
 
 
 def test_check_record_certifies_nothing_it_was_not_told_and_no_grow(probed):
     """A caller that passes no ``certified`` gets the conservative record; a grow is never a stop."""
     net, report = probed
-    told_nothing = telemetry.check_record(report, "saturated", "no certified gain: x", [], net, 4, False)
+    told_nothing = telemetry.check_record(report, "saturated", "no certified gain: x", [], net, 4)
     assert told_nothing["saturated"] is False and told_nothing["certified"] is False
-    grow = telemetry.check_record(report, "grow", "grow: x", ["layer1.1"], net, 4, False, certified=True)
+    grow = telemetry.check_record(report, "grow", "grow: x", ["layer1.1"], net, 4, certified=True)
     assert grow["saturated"] is False and grow["certified"] is False
-    budget = telemetry.check_record(None, "budget", "max_growths=1 reached", [], net, 4, False, certified=True)
+    budget = telemetry.check_record(None, "budget", "max_growths=1 reached", [], net, 4, certified=True)
     assert budget["certified"] is False
     assert "budget" in telemetry.check_table(None, {**budget, "check": 2, "epoch": 9, "step": 90})
 

@@ -69,9 +69,9 @@ def test_fit_quickstart_config_tiny(tmp_path):
     assert hparams["optimizer"]["class_path"] == "torch.optim.SGD"  # the config, as plain data
 
     (grower,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "GrowUntilSaturated"]
-    # as shipped: checks on a validation-loss plateau after a stage anneal, growth judged by its realized gain
-    assert (grower.monitor, grower.rule, grower.min_gain, grower.lr_schedule, grower.on_saturated) == (
-        "val_loss", "crossfit", 0.01, "anneal", "anneal")  # fmt: skip
+    # as shipped: checks on a validation-loss plateau after a stage anneal, growth decided by block-only trials
+    assert (grower.monitor, grower.rule, grower.min_gain, grower.decision, grower.lr_schedule, grower.on_saturated) == (
+        "val_loss", "crossfit", 0.01, "trial", "anneal", "anneal")  # fmt: skip
     # growth ended as a budget at the first epoch (no probe), and the rest was the final anneal
     assert [h["action"] for h in grower.history] == ["budget"] and grower.finished == "budget"
     assert "reserved for the final anneal" in grower.history[0]["reason"] and grower.history[0]["epoch"] == 0
@@ -259,24 +259,29 @@ def _callback_args(config: Path) -> dict | None:
 @pytest.mark.parametrize("config", [p for p in _shipped_configs() if _callback_args(p) is not None],
                          ids=lambda p: str(p.relative_to(CONFIGS)))  # fmt: skip
 def test_no_shipped_config_makes_the_callback_warn(config):
-    """A shipped config is one the code does not warn about: its callback builds without a
-    warning, and under FSDP2 it names what setup would otherwise switch with a warning (the
-    decision, restore_best), with a min_gain its probe can resolve."""
+    """A shipped config is one the code does not warn about nor refuse: its callback builds without
+    a warning, and under FSDP2 it names its decision (the default, the block-only trial, is refused
+    there at setup) and one that setup accepts under FSDP2."""
     import warnings
+    from types import SimpleNamespace
 
     import yaml
 
     from growtrain.callbacks import GrowUntilSaturated
-    from growtrain.callbacks.guidance import probe_resolution
+    from growtrain.callbacks.sharded import check_model_parallel
 
     args = _callback_args(config)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        GrowUntilSaturated(**args)
+        grow = GrowUntilSaturated(**args)
     strategy = ((yaml.safe_load(config.read_text()) or {}).get("trainer") or {}).get("strategy")
     if "ModelParallelStrategy" in str(strategy):
-        assert args.get("decision") == "gain" and args.get("restore_best") is False, config
-        assert args["min_gain"] > probe_resolution(470, args.get("alpha", 0.05)), config  # its ≈ 470 probe sequences
+        assert args.get("decision") in ("window", "rule"), config
+        # what setup checks under FSDP2 (data parallel only: tensor_parallel_size 1), without a GPU
+        fsdp = SimpleNamespace(_device_mesh=None, _tensor_parallel_size=1, _data_parallel_size=2)
+        check_model_parallel(SimpleNamespace(strategy=fsdp, world_size=2), grow.decision, given=True)
+        with pytest.raises(ValueError, match=r"^decision: 'trial' \(given\) is not supported under FSDP2.*Fix: "):
+            check_model_parallel(SimpleNamespace(strategy=fsdp, world_size=2), "trial", given=True)
 
 
 def test_the_fit_configs_are_found():

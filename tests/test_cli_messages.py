@@ -5,6 +5,7 @@ errors are the first and clearest line (no usage dump, no union-type dump, the Y
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +84,73 @@ def test_a_yaml_error_names_its_file_and_comes_first(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: Problems parsing config") and repr(str(bad)) in err
     assert "<unicode string>" not in err and "usage:" not in err
+
+
+# -- options removed from GrowUntilSaturated (docs/results/history.md): one error line naming each, before anything runs ------
+def _refused(args, capsys) -> str:
+    """``main(args)`` exits with status 2; its stderr, which must be the one ``error:`` line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: GrowUntilSaturated: option(s) ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and "usage:" not in err
+    return err
+
+
+@pytest.mark.parametrize("flag", ["--trainer.callbacks.init_args.projected=true", "--trainer.callbacks.projected=true"])
+def test_a_removed_option_on_the_command_line_is_refused_naming_it_and_its_fix(tmp_path, capsys, flag):
+    from growtrain.callbacks.growth_config import REMOVED
+
+    run = tmp_path / "run"
+    err = _refused(tiny_fit_args(run, flag), capsys)
+    assert "projected" in err and f"Fix: projected: {REMOVED['projected']}." in err
+    assert not run.exists()  # refused before any training or output folder
+
+
+def test_a_removed_option_in_a_config_file_is_refused_before_any_output(tmp_path, capsys):
+    """restore_best under the callback's init_args in a --config YAML (and a second removed option
+    beside it): the same single line, naming both with their fixes; nothing is trained or written."""
+    from growtrain.callbacks.growth_config import REMOVED
+
+    run = tmp_path / "run"
+    (tmp_path / "old.yaml").write_text(
+        "trainer:\n  callbacks:\n"
+        "    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      init_args: {save_last: true}\n"
+        "    - class_path: growtrain.callbacks.GrowUntilSaturated\n"
+        "      init_args: {monitor: null, restore_best: false, cooldown: 2, min_gain: 0.01}\n"
+    )  # fmt: skip
+    err = _refused(tiny_fit_args(run, f"--config={tmp_path / 'old.yaml'}"), capsys)
+    assert "option(s) restore_best, cooldown were removed" in err
+    assert f"restore_best: {REMOVED['restore_best']}" in err and f"cooldown: {REMOVED['cooldown']}" in err
+    assert "Fix: " in err
+    assert not run.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["old.yaml"]
+
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = sorted(CONFIG_DIR.rglob("*.yaml"))
+
+
+def test_the_shipped_configs_are_found():
+    assert any(p.name == "quickstart.yaml" for p in CONFIGS) and len(CONFIGS) > 5, CONFIGS
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
+def test_no_shipped_config_carries_a_removed_option(config):
+    """The check refuses nothing a shipped config says (``growtrain fit`` and the experiments go through
+    the same ``main``): none of them carries an option GrowUntilSaturated no longer has."""
+    from growtrain.cli import _removed_options
+
+    assert _removed_options(["fit", f"--config={config}"]) is None
+    assert _removed_options(["stopping", "-c", str(config)]) is None
+
+
+def test_current_options_pass_that_check():
+    """Options the callback has, on the command line, pass; a removed name under another class's
+    arguments (the model's, say) is not the growth callback's and is left to the parser."""
+    from growtrain.cli import _removed_options
+
+    assert _removed_options(tiny_fit_args(Path("run"), "--trainer.callbacks.init_args.min_rel_delta=0.02",
+                                          "--trainer.callbacks.trial_epochs=0.5")) is None  # fmt: skip
+    assert _removed_options(["fit", "--trainer.callbacks.init_args.patience=3", "--model.init_args.top_k=2"]) is None

@@ -233,7 +233,10 @@ def test_repeated_checks_on_one_probe_set_with_alpha_spending():
     ``ξ^(k)_i = x_i W_k`` (mean 0, so every check is a null), correlated across checks through
     the shared ``x_i``. With α-spending (Σ_k α_k ≤ α) the run-level false-growth rate stays
     ≤ α within binomial noise; the broken variant (level α at every check, no spending) must
-    exceed it (measured: geometric 0.051, inverse_square 0.049, constant 0.179)."""
+    exceed it (measured: geometric 0.051, inverse_square 0.049, constant 0.179). A library study of
+    ``alpha_schedule``: the callback no longer spends α (its option was removed): there a check
+    that does not grow ends growth, so once depth stops paying each check ends it with probability
+    at least 1 − α, rather than eight null checks each getting a chance to grow."""
     draws, checks, K, n, p = 1000, 8, 2, 64, 8
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(draws, 1, 1, n, p, generator=gen, dtype=torch.float64)

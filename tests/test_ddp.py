@@ -88,7 +88,7 @@ def ddp_runs(tmp_path_factory):
     read = lambda name: [json.loads((root / name / f"rank{r}.json").read_text()) for r in (0, 1)]  # noqa: E731
     return {"sync": (_results(proc, root / "sync"), root / "sync"), "no_rewrap": (read("no_rewrap"), root / "no_rewrap"),
             "trial_fail": (read("trial_fail"), None), "trial_grow": (read("trial_grow"), None),
-            "window": (read("window"), None)}  # fmt: skip
+            "window": (read("window"), root / "window")}  # fmt: skip
 
 
 def test_the_periodic_window_rule_decides_alike_on_every_rank_from_the_whole_probe(ddp_runs):
@@ -147,13 +147,10 @@ def test_ranks_record_identical_checks_and_stay_in_sync(ddp_runs):
     first = r0["history"][0]
     assert first["n"] == 91
     if first["action"] == "grow":
-        # the second check judges the first growth; unpaid, it is undone on both ranks (restore_best)
-        kept = 0 if "restored" in r0["history"][1] else 1 + (r0["history"][1]["action"] == "grow")
+        kept = sum(h["action"] == "grow" for h in r0["history"])
         assert r0["growth_log"] == r1["growth_log"] and len(r0["growth_log"]) == kept
         assert r0["param_groups"] == r1["param_groups"] == ["base"] + [f"growth{k}" for k in range(len(r0["growth_log"]))]
         assert first["max_abs_change"] == 0.0 and r1["history"][0]["max_abs_change"] == 0.0  # fp32, bit-exact
-        # min_gain's per-sample losses at the growth: the whole probe (not a shard), one vector on both ranks
-        assert len(r0["gain_reference"]) == 91 and r0["gain_reference"] == r1["gain_reference"]
     assert r0["checksum"] == r1["checksum"]  # identical parameters after training on
 
 
@@ -204,17 +201,18 @@ def test_first_check_equals_a_single_process_check_on_the_same_batches(ddp_runs)
             torch.testing.assert_close(inserted[key], mine[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-def test_the_gain_verdict_equals_a_single_process_replay(ddp_runs):
-    """The second check judges the first growth: its gain equals gain_test on the per-sample
-    losses of the whole probe computed here, in one process, from rank 0's weights at the two
-    checks (the reference at the growth, and now), with the product's seed for that check."""
+def test_the_window_verdict_equals_a_single_process_replay(ddp_runs):
+    """The periodic run's second check pairs the whole probe's per-sample losses with the first
+    check's (window 1): its figures equal window_test on losses computed here, in one process, from
+    rank 0's weights at the two checks, with the product's seed for that check."""
     from growtrain.callbacks.probe_data import ProbeView, per_sample_losses
-    from growtrain.gain import gain_test
     from growtrain.growable import replay_growth
+    from growtrain.window import window_test
 
-    (r0, r1), out = ddp_runs["sync"]
+    (r0, r1), out = ddp_runs["window"]
     first, second = r0["history"][:2]
-    assert first["action"] == "grow" and "gain" in second and second["gain"] == r1["history"][1]["gain"]
+    assert first["action"] == "grow" and second["window"]["reference_epoch"] == 0
+    assert second["window"] == r1["history"][1]["window"]
     probe = _data().probe_dataloader()
 
     def losses(state_file, records):
@@ -226,13 +224,13 @@ def test_the_gain_verdict_equals_a_single_process_replay(ddp_runs):
     before = losses("pre_check.pt", [])
     assert len(r0["growth_log_check1"]) == 1
     after = losses("pre_check1.pt", r0["growth_log_check1"])
-    assert r0["gain_reference"] is not None and len(before) == 91
-    want = gain_test(before, after, min_gain=0.0, level=second["level"], seed=second["check"] + 1)
-    got = second["gain"]
-    assert got["n"] == 91 and got["paid"] == want["paid"]
-    assert got["mean"] == pytest.approx(want["mean"], rel=1e-5, abs=1e-8)
-    assert got["lower"] == pytest.approx(want["lower"], rel=1e-4, abs=1e-7)
-    assert got["loss_before"] == pytest.approx(float(before.mean()), rel=1e-6)
+    assert len(before) == len(after) == 91
+    want = window_test(before.double(), after.double(), min_gain=0.0, level=second["level"], seed=second["check"])
+    got = second["window"]
+    assert got["n"] == 91
+    assert got["loss_before"] == pytest.approx(float(before.mean()), rel=1e-5)
+    assert got["gain_frac"] == pytest.approx(want["gain_frac"], rel=1e-4, abs=1e-7)
+    assert got["lower_frac"] == pytest.approx(want["lower_frac"], rel=1e-3, abs=1e-6)
 
 
 def test_negative_control_without_rewrap_the_ranks_drift_apart(ddp_runs):

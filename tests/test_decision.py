@@ -1,4 +1,5 @@
-"""The relative rule (``rule="relative"``; the default is ``"crossfit"``) against independent oracles.
+"""The relative rule (``measure_saturation(rule="relative")``, reported by ``growtrain measure``; no
+longer a callback option, whose default is ``"crossfit"``) against independent oracles.
 
 * the reference ``R`` equals a plain-autograd recomputation over the same pieces of half A;
 * ``debiased_reference`` is unbiased for ``‖g‖²`` where the naive squared norm is not;
@@ -148,9 +149,8 @@ def test_relative_verdict_pure_function():
 
 
 @pytest.mark.parametrize("tau", [0, -1.0, float("nan"), float("inf"), True, "0.5"])
-def test_bad_tau_is_refused_at_construction(tau):
-    with pytest.raises(ValueError, match=r"tau: expected a finite number > 0.*Fix: pass tau=0\.5"):
-        GrowUntilSaturated(tau=tau)
+def test_bad_tau_is_refused_by_measure_saturation(tau):
+    # tau is no callback option any more (tests/test_options.py); the library's relative rule still checks it
     net = make_net("basic")
     with pytest.raises(ValueError, match="tau: expected"):
         measure_saturation(net, probe_batches("basic", n=16), F.cross_entropy, rule="relative", tau=tau)
@@ -163,7 +163,8 @@ def test_bad_tau_is_refused_at_construction(tau):
         ({"min_rel_delta": -0.1}, r"min_rel_delta: expected a finite number >= 0"),
         ({"anneal_epochs": 0}, r"anneal_epochs: expected an integer >= 1"),
         ({"on_saturated": "finish"}, r"on_saturated: expected one of \('stop', 'continue', 'anneal'\)"),
-        ({"rule": "relatve"}, r"rule: expected one of \('paper', 'crossfit', 'relative'\)"),
+        ({"rule": "relatve"}, r"rule: expected one of \('paper', 'crossfit'\); got 'relatve'\. Fix: pass rule='paper'"),
+        ({"rule": "relative"}, r"rule: expected one of \('paper', 'crossfit'\); got 'relative'\. Fix: pass rule='crossfit'"),
     ],
 )
 def test_bad_options_name_the_argument(kwargs, match):
@@ -173,13 +174,13 @@ def test_bad_options_name_the_argument(kwargs, match):
 
 def test_defaults_tie_checks_to_convergence_and_judge_growth_by_its_gain():
     grow = GrowUntilSaturated()
-    assert (grow.rule, grow.monitor, grow.min_gain, grow.tau) == ("crossfit", "train_loss", 0.01, dec.DEFAULT_TAU)
+    assert (grow.rule, grow.monitor, grow.min_gain, grow.decision) == ("crossfit", "train_loss", 0.01, "trial")
     assert dec.DEFAULT_MIN_GAIN == 0.01 and GrowUntilSaturated(min_gain=None).min_gain is None
     assert GrowUntilSaturated(t=0.5).rule == "paper"  # t is the paper rule's threshold
 
 
 def test_plateau_needs_a_minimum_stage_and_is_relative():
-    common = dict(finished=None, cooldown_left=0, every_n_epochs=1, monitor="train_loss", plateaued=True)
+    common = dict(finished=None, every_n_epochs=1, monitor="train_loss", plateaued=True)
     assert dec.should_check(**common, epochs_since_check=1, min_stage_epochs=3, stage_epochs=2) == (
         False, "stage is 2 epoch(s) long; min_stage_epochs=3")
     assert dec.should_check(**common, epochs_since_check=1, min_stage_epochs=3, stage_epochs=3)[0]
@@ -187,9 +188,9 @@ def test_plateau_needs_a_minimum_stage_and_is_relative():
     def plateau_epoch(scale):
         grow = GrowUntilSaturated(patience=2, min_rel_delta=0.05)
         for epoch, loss in enumerate([1.0, 0.8, 0.7, 0.69, 0.68, 0.675]):
-            if grow._track_monitor(SimpleNamespace(callback_metrics={"train_loss": torch.tensor(scale * loss)})):
+            if grow._monitor.plateaued(SimpleNamespace(callback_metrics={"train_loss": torch.tensor(scale * loss)})):
                 return epoch
 
     assert plateau_epoch(1.0) == plateau_epoch(10.0) == plateau_epoch(0.1) == 4
     with pytest.raises(RuntimeError, match=r"monitor: metric 'train_loss' is not logged; available: \['loss'\]"):
-        GrowUntilSaturated()._track_monitor(SimpleNamespace(callback_metrics={"loss": torch.tensor(1.0)}))
+        GrowUntilSaturated()._monitor.plateaued(SimpleNamespace(callback_metrics={"loss": torch.tensor(1.0)}))

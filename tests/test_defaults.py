@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from growtrain import GrowUntilSaturated, measure_saturation
+from growtrain.callbacks.growth_config import GrowthConfig
 from growtrain.decision import DEFAULT_RULE, DEFAULT_TAU
 from growtrain.experiments import run_measure, run_sweep
 from growtrain.module import ImageClassifier
@@ -32,7 +33,8 @@ def test_documented_defaults():
     # the decision entry points: the same rule resolution and τ, no V_S
     assert _default(GrowTrainer.measure, "rule") is None and _default(run_measure, "rule") is None
     assert _default(GrowTrainer.measure, "tau") == _default(run_measure, "tau") == DEFAULT_TAU
-    assert GrowUntilSaturated(monitor=None).projected is False
+    # the callback never computes V_S: no option asks for it (projected was removed)
+    assert "projected" not in GrowthConfig.names() and not hasattr(GrowUntilSaturated(monitor=None), "projected")
     # measure is the V_S report: projected on; the sweep is a decision-free Figure 1: off
     assert _default(GrowTrainer.measure, "projected") is True and _default(run_measure, "projected") is True
     assert _default(GrowTrainer.sweep, "projected") is False and _default(run_sweep, "projected") is False

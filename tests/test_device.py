@@ -279,7 +279,7 @@ def test_progress_bar_loss_is_a_host_copy_refreshed_every_log_every_n_steps(tmp_
     assert losses[1] != losses[0]  # (the steps' losses do differ)
 
 
-@pytest.mark.parametrize("rule", ["paper", "relative"])
+@pytest.mark.parametrize("rule", ["paper", "crossfit"])
 def test_a_fit_in_64_true_precision_grows(tmp_path, rule):
     """Probe batches go through the precision plugin, like training batches (float64 here)."""
     import lightning as L
@@ -290,7 +290,7 @@ def test_a_fit_in_64_true_precision_grows(tmp_path, rule):
     dm = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=120, synthetic_classes=3, probe_size=16,
                          val_size=8, batch_size=16, augment=False, channels=1)  # fmt: skip
     module = _image_module()
-    kw = dict(t=1e-9) if rule == "paper" else dict(tau=1e-9)
+    kw = dict(t=1e-9) if rule == "paper" else {}
     grow = GrowUntilSaturated(rule=rule, monitor=None, every_n_epochs=1, max_growths=1, verbose=False, **kw)
     trainer = L.Trainer(max_epochs=1, precision="64-true", callbacks=[grow], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,

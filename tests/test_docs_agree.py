@@ -142,13 +142,56 @@ def _documented_defaults() -> dict[str, str]:
     return rows
 
 
+def _arguments_rows(page: str) -> list[list[str]]:
+    """The rows of the first table under docs/callback.md's "## Arguments" heading, one list of
+    cells each (header and rule line skipped)."""
+    start = page.index("\n## Arguments\n")
+    end = page.find("\n## ", start + 1)
+    table: list[str] = []
+    for line in page[start:end if end > 0 else None].splitlines():
+        if line.startswith("|"):
+            table.append(line)
+        elif table:
+            break
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in table[2:]]
+
+
+def _section(page: str, heading: str) -> str:
+    start = page.index(heading)
+    end = page.find("\n#", start + len(heading))
+    return page[start:end if end > 0 else None]
+
+
+def test_every_option_has_one_row_that_says_why_and_every_removed_option_is_announced():
+    """One row per option of GrowthConfig in docs/callback.md's Arguments table, saying what it
+    does and why it is kept; no removed option keeps a row; every removed option is listed with its
+    fix in callback.md and announced in docs/results/history.md's removal section."""
+    from growtrain.callbacks.growth_config import REMOVED, GrowthConfig
+
+    page = (ROOT / "docs" / "callback.md").read_text()
+    rows = _arguments_rows(page)
+    named = [name for row in rows for name in re.findall(r"`([a-z_]+)`", row[0])]
+    options = GrowthConfig.names()
+    assert sorted(named) == sorted(options), f"rows without an option or options without a row: {set(named) ^ set(options)}"
+    assert len(named) == len(set(named)), "an option has two rows"
+    assert not set(named) & set(REMOVED), set(named) & set(REMOVED)
+    short = [row[0] for row in rows if len(row) != 4 or any(len(cell) < 3 for cell in row)]
+    assert not short, f"rows without a default, what it does, or why it is kept: {short}"
+    removed_list = _section(page, "### Removed options")
+    assert [n for n in REMOVED if f"- `{n}`:" not in removed_list] == []
+    history = (ROOT / "docs" / "results" / "history.md").read_text()
+    announced = _section(history, "## Options removed")
+    assert [n for n in REMOVED if f"`{n}`" not in announced] == []
+
+
 def _as_written(value) -> str:
     return f'"{value}"' if isinstance(value, str) else repr(value)
 
 
 def test_callback_defaults_in_docs_agree_with_the_signature():
     documented = _documented_defaults()
-    params = inspect.signature(GrowUntilSaturated).parameters
+    params = {name: p for name, p in inspect.signature(GrowUntilSaturated).parameters.items()
+              if p.kind is not p.VAR_KEYWORD}  # **removed: the options of earlier versions, refused with their fix
     assert set(documented) == set(params), set(documented) ^ set(params)
     for name, param in params.items():
         assert documented[name] == _as_written(param.default), (name, documented[name], param.default)
@@ -166,13 +209,6 @@ def test_readme_lists_every_subcommand():
     commands = re.search(r"### Commands(.*?)\n## ", (ROOT / "README.md").read_text(), re.S).group(1)
     listed = {n for group in re.findall(r"`growtrain ([a-z\\|]+)", commands) for n in group.replace("\\", "").split("|")}
     assert listed == {"fit", "validate", "test", "predict", *EXPERIMENTS}, listed
-
-
-def test_documented_smallest_useful_probe_is_the_code_s():
-    from growtrain.callbacks.guidance import smallest_useful_probe
-
-    need = smallest_useful_probe(DEFAULT_MIN_GAIN, inspect.signature(GrowUntilSaturated).parameters["alpha"].default)
-    assert f"{need:,} samples for `min_gain={DEFAULT_MIN_GAIN:g}` at α = 0.05" in text("docs/callback.md")
 
 
 def test_the_readmes_python_example_runs(tmp_path, monkeypatch):

@@ -1,4 +1,6 @@
-"""min_gain: did the last growth pay? A paired, one-sided test on the probe's per-sample losses."""
+"""The paired, one-sided gain certificate (growtrain.gain) on the probe's per-sample losses, and the
+callback's use of it with min_gain: the periodic schedule's window rule pairs every check's losses
+with those of a check a window back (the block-only trial's own use: tests/test_trial.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,10 @@ from torch.nn import functional as F
 
 from pathlib import Path
 
-from growtrain import decision as dec
 from growtrain.gain import GAIN_METHODS, gain_test
 from growtrain.saturation_report import best_scored_site
 from growtrain.callbacks import GrowUntilSaturated
-from growtrain.callbacks.probe_data import ProbeView, per_sample_losses
+from growtrain.callbacks.probe_data import ProbeView, per_sample_losses, refuse_random_probe
 from growtrain.data import ImageDataModule
 from growtrain.module import ImageClassifier
 
@@ -52,8 +53,6 @@ def test_gain_test_matches_a_hand_computation():
     assert boot["method"] == "bootstrap_t"
     assert boot["lower"] - boot["margin"] == pytest.approx(statistics.fmean(e) - q * se_e, rel=1e-9)
     assert boot["paid"] == (statistics.fmean(e) - q * se_e > 0)
-    verdict = dec.gain_verdict(boot)
-    assert verdict.saturated is (not boot["paid"]) and verdict.score == boot["lower"]
 
 
 def test_paid_needs_the_bound_strictly_above_the_margin():
@@ -111,132 +110,70 @@ class ProbeLosses(L.Callback):
         pl_module.train(was)
 
 
-def _fit(min_gain, tmp_path, rule="paper", extra=(), max_epochs=20, ckpt=None, data=None, **kw):
+def _fit(tmp_path, min_gain=0.0, extra=(), max_epochs=8, **kw):
+    """A periodic fit (a check every epoch, the window rule over 2 epochs, at the constant rate): until
+    growth ends every check grows at its best first-order site, so the window pairs checks of networks
+    of different depth."""
     L.seed_everything(0)
-    # the paper's rule with a tiny t always grows: only min_gain can end growth here
-    kw = ({"t": 1e-12} if rule == "paper" else {}) | {"max_growths": 3} | kw
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, rule=rule, min_gain=min_gain,
-                              decision="gain" if min_gain is not None else "rule",
-                              lr_schedule="anneal", anneal_epochs=1, on_saturated="anneal", verbose=False, **kw)  # fmt: skip
-    resume = ckpt not in (None, True)
-    # A resumed run gets back the checkpoint callback it was saved with, in the same folder (else
-    # Lightning warns that the dirpath changed), and writes nothing beside the run it resumes.
-    checkpoints = [L.pytorch.callbacks.ModelCheckpoint(dirpath=Path(ckpt).parent if resume else tmp_path / "ckpt",
-                                                       save_top_k=0 if resume else -1, every_n_epochs=1,
-                                                       save_on_train_epoch_end=True)] if ckpt is not None else []  # fmt: skip
-    trainer = L.Trainer(max_epochs=max_epochs, callbacks=[*extra, grow, *checkpoints], logger=False,
-                        enable_checkpointing=bool(checkpoints), enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, default_root_dir=tmp_path, deterministic=True)  # fmt: skip
+    kw = {"every_n_epochs": 1, "window": 2, "max_growths": 4} | kw
+    grow = GrowUntilSaturated(schedule="periodic", monitor=None, min_gain=min_gain, on_saturated="stop", verbose=False,
+                              **kw)  # fmt: skip
+    trainer = L.Trainer(max_epochs=max_epochs, callbacks=[*extra, grow], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        default_root_dir=tmp_path, deterministic=True)  # fmt: skip
     model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic",
                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=5e-4))  # fmt: skip
-    trainer.fit(model, (data or tiny_dm)(), ckpt_path=ckpt if resume else None)
+    trainer.fit(model, tiny_dm())
     grow.model = model
     return grow
 
 
-def test_every_gain_verdict_compares_with_the_last_growth_by_hand(tmp_path):
-    """A run with three gain verdicts (min_gain=0: growth goes on while each growth paid): each
-    verdict equals gain_test on the per-sample losses computed independently at the check that
-    grew last and at this check — not the first growth's, not the previous check's."""
+def test_every_window_verdict_pairs_the_losses_of_its_reference_check_by_hand(tmp_path):
+    """Each full window's figures equal window_test on the per-sample probe losses computed
+    independently at the reference check's epoch and at this check's (not the previous check's,
+    not the first one's), with the bootstrap seeded by the check index; a window not full yet
+    carries no figures and grows."""
+    from growtrain.window import window_test
+
     watch = ProbeLosses()
-    grow = _fit(0.0, tmp_path, extra=[watch], max_growths=4)
-    checks = grow.history
-    verdicts = [h for h in checks if "gain" in h]
-    assert len(verdicts) >= 2, [h["action"] for h in checks]
-    last_growth_epoch = None
-    for h in checks:
-        if "gain" in h:
-            before, after = watch.by_epoch[last_growth_epoch], watch.by_epoch[h["epoch"]]
-            want = gain_test(before, after, min_gain=0.0, level=h["level"], seed=h["check"] + 1)
-            got = h["gain"]
-            assert got["loss_before"] == pytest.approx(float(before.mean()), rel=1e-5)
-            assert got["loss_now"] == pytest.approx(float(after.mean()), rel=1e-5)
-            assert got["mean"] == pytest.approx(want["mean"], rel=1e-4, abs=1e-7)
-            assert got["lower"] == pytest.approx(want["lower"], rel=1e-3, abs=1e-6)
-            assert got["paid"] == want["paid"] and got["saturated"] == (not want["paid"])
-        if h["action"] == "grow":
-            last_growth_epoch = h["epoch"]
-    assert sum(h["action"] == "grow" for h in verdicts) >= 1  # a paid verdict moved the reference on
+    grow = _fit(tmp_path, extra=[watch])
+    checks = [h for h in grow.history if "window" in h]
+    full = [h for h in checks if h["window"]["reference_epoch"] is not None]
+    assert len(full) >= 2, [(h["action"], h["window"]["reference_epoch"]) for h in checks]
+    assert "gain_frac" not in checks[0]["window"] and checks[0]["action"] == "grow"
+    for h in full:
+        ref = h["window"]["reference_epoch"]
+        assert ref == max(c["epoch"] for c in checks if c["epoch"] <= h["epoch"] - 2)  # the latest a window back
+        before, after = watch.by_epoch[ref], watch.by_epoch[h["epoch"]]
+        want = window_test(before, after, min_gain=0.0, level=h["level"], seed=h["check"])  # seed 0 · 1000 + check
+        got = h["window"]
+        assert got["loss_before"] == pytest.approx(float(before.mean()), rel=1e-5)
+        assert got["loss_now"] == pytest.approx(float(after.mean()), rel=1e-5)
+        for key in ("gain_frac", "lower_frac", "upper_frac"):
+            assert got[key] == pytest.approx(want[key], rel=1e-3, abs=1e-6), key
+        assert got["saturated"] == (want["lower_frac"] <= 0.0) and got["n"] == 120
+        assert (h["action"] == "grow") == (not got["saturated"])
+    assert any(h["depth_before"] != grow.history[0]["depth_before"] for h in full)  # it paired networks that grew
 
 
-def test_the_gain_level_follows_alpha_spending(tmp_path):
-    """alpha_spending='inverse_square': the k-th test (k = 0, 1, ...) runs at α·6/(π²(k+1)²)
-    (growtrain.crossfit.alpha_schedule), and the gain's bound uses that level, not α."""
-    grow = _fit(0.0, tmp_path, alpha_spending="inverse_square", max_growths=2)
-    verdicts = [h for h in grow.history if "gain" in h]
-    assert verdicts
-    for h in verdicts:
-        k = h["check"]
-        want = 0.05 * 6 / (math.pi**2 * (k + 1) ** 2)
-        assert h["gain"]["level"] == pytest.approx(want) and h["level"] == pytest.approx(want)
-
-
-def test_a_growth_that_did_not_pay_ends_growth_and_the_verdict_is_reported(tmp_path):
-    """min_gain=10 (a tenfold loss drop, impossible): the check after the first growth finds it
-    did not pay and ends growth as "saturated"; every later-check record carries the gain verdict
-    beside the other rules, and the gain equals the probe-loss drop computed from the record."""
-    grow = _fit(10.0, tmp_path)
-    assert [h["action"] for h in grow.history][:2] == ["grow", "saturated"] and grow.growths == 1
-    assert grow.finished == "saturated" and "depth stopped paying" in grow.stop_reason
-    gain = grow.history[1]["gain"]
-    assert gain["mean"] == pytest.approx(gain["loss_before"] - gain["loss_now"], abs=1e-9)
-    assert grow.history[1]["verdicts"]["gain"]["saturated"] is True and "paper" in grow.history[1]["verdicts"]
-    assert "gain" not in grow.history[0]  # nothing to judge before the first growth
-    off = _fit(None, tmp_path)  # without min_gain the same run grows on (negative control)
-    assert [h["action"] for h in off.history] == ["grow", "grow", "grow", "budget"]
-
-
-def test_the_losses_at_the_last_growth_survive_a_checkpoint_in_order(tmp_path):
-    """Through a real checkpoint file (torch.save / load with weights_only=True): the per-sample
-    reference losses and fingerprints come back equal, element by element, in their order."""
-    grow = _fit(0.0, tmp_path, max_growths=1)
+def test_the_window_losses_survive_a_checkpoint_in_order(tmp_path):
+    """Through a real checkpoint file (torch.save / load with weights_only=True): the kept per-sample
+    losses and fingerprints come back equal, element by element, in their order."""
+    grow = _fit(tmp_path, max_epochs=3)
     state = grow.state_dict()
-    reference, signature = state["gain_reference"], state["gain_signature"]
-    assert len(reference) == len(signature) == 120 and len(set(reference)) > 100  # non-constant
+    entries = state["window"]["entries"]
+    assert entries and all(len(e["losses"]) == len(e["signature"]) == 120 for e in entries)
+    assert len(set(entries[-1]["losses"])) > 100  # non-constant
     torch.save({"callbacks": {"grow": state}}, tmp_path / "state.ckpt")
     loaded = torch.load(tmp_path / "state.ckpt", weights_only=True)["callbacks"]["grow"]
-    again = GrowUntilSaturated(min_gain=0.0, decision="gain")
+    again = GrowUntilSaturated(schedule="periodic", every_n_epochs=1, window=2, min_gain=0.0)
     again.load_state_dict(loaded)
-    assert again.gain_reference == reference and again.gain_signature == signature
-
-
-def test_a_resumed_run_makes_the_same_gain_verdict(tmp_path):
-    """Killed after the first growth (its epoch's checkpoint), resumed: the next check — a gain
-    verdict — decides exactly as the uninterrupted run's (an epoch-seeded train sampler, as in
-    test_resume.py: Lightning does not checkpoint the global generator a shuffling loader uses)."""
-    from test_resume import ResumableData
-
-    def data():
-        return ResumableData(dataset="synthetic", image_size=8, synthetic_size=400, synthetic_classes=4,
-                             probe_size=120, val_size=40, batch_size=32, augment=False)  # fmt: skip
-
-    full = _fit(0.0, tmp_path / "full", ckpt=True, max_growths=2, data=data)
-    grew = next(h for h in full.history if h["action"] == "grow")
-    verdict = next(h for h in full.history if "gain" in h)
-    ckpt = tmp_path / "full" / "ckpt" / f"epoch={grew['epoch']}-step={grew['step']}.ckpt"
-    assert ckpt.exists(), sorted(p.name for p in (tmp_path / "full" / "ckpt").iterdir())
-    resumed = _fit(0.0, tmp_path / "resumed", ckpt=str(ckpt), max_growths=2, data=data)
-    again = next(h for h in resumed.history if "gain" in h)
-    assert again["check"] == verdict["check"] and again["gain"] == verdict["gain"]
-    assert [h["action"] for h in resumed.history] == [h["action"] for h in full.history]
-
-
-def test_after_a_growth_its_realized_gain_decides_not_the_first_order_rule(tmp_path):
-    """On this run the cross-fit rule says "saturated" at the second check (no certified
-    first-order gain on the annealed network) while the probe loss fell by a certified amount
-    since the growth: with min_gain the paid growth wins and the network grows at the site with
-    the best lower bound; without it the first-order verdict ends growth."""
-    grow = _fit(0.0, tmp_path, rule="crossfit")
-    second = grow.history[1]
-    assert second["verdicts"]["crossfit"]["saturated"] is True and second["gain"]["saturated"] is False
-    assert second["action"] == "grow" and "paid" in second["reason"]
-    lowers = {site["site"]: site["lower"] for site in second["site_scores"]}
-    assert second["site"] == max(lowers, key=lowers.get)
-    plain = _fit(None, tmp_path, rule="crossfit")
-    assert [h["action"] for h in plain.history] == ["grow", "saturated"]
+    assert again._window.entries == grow._window.entries == entries
 
 
 def test_stopping_figure_draws_every_seeds_certified_gain(tmp_path):
+    """Rows of an earlier version's decision="gain" (their stopping.json stays readable): each seed's
+    certified gain of its last block, with the min_gain line."""
     from growtrain.plots import plot_stopping
 
     def check(blocks, lower, loss):
@@ -254,6 +191,7 @@ def test_stopping_figure_draws_every_seeds_certified_gain(tmp_path):
 
 
 def test_end_of_fit_summary_shows_each_blocks_certified_gain():
+    """A history of an earlier version's decision="gain" (growth_history.json stays readable)."""
     from rich.console import Console
 
     from growtrain.callbacks import telemetry
@@ -271,11 +209,48 @@ def test_end_of_fit_summary_shows_each_blocks_certified_gain():
     assert "ratio (" not in text and "margin" not in text  # no relative rule, δ = 0: columns that say nothing
 
 
+def test_final_metrics_of_an_earlier_versions_undo_are_the_restored_networks_until_training_follows():
+    """A history of an earlier version whose last check undid a growth (restore_best, removed) holds the
+    metrics it re-measured on the restored network: the summary calls them final while no optimizer step
+    followed; once training went on (a final anneal, or a resumed fit) the trainer's own are final."""
+    from growtrain.callbacks.telemetry import final_metrics
+
+    history = [{"step": 10, "restored": {"metrics": {"val_loss": 1.0}, "check": 0, "depth": 3}}]
+    assert final_metrics(history, {"val_loss": 0.5, "lr": 0.1}, global_step=10) == (
+        {"val_loss": 1.0}, "re-measured on the restored network of check 0 (depth 3, eval mode)")
+    assert final_metrics(history, {"val_loss": 0.5, "lr": 0.1}, global_step=12) == ({"val_loss": 0.5}, None)
+    assert final_metrics([{"step": 10}], {"val_loss": 0.5, "lr": 0.1}, global_step=10) == ({"val_loss": 0.5}, None)
+
+
+@pytest.mark.parametrize("finished", [None, "saturated"])
+def test_a_checkpoint_of_decision_gain_resumes_with_a_warning_while_growth_goes_on(finished):
+    """The state of an earlier version's decision="gain" run (its realized-gain reference, no "trials"
+    entry) loads into the trial decision; while growth goes on the fit is told the reference is ignored
+    and which decision takes over, and its history and counters come back as saved. A run whose growth
+    had ended says nothing: no later check would have read the reference."""
+    import warnings
+
+    state = {"history": [{"check": 0, "action": "grow", "gain": None}], "checks": 1, "growths": 1, "inserted": 1,
+             "finished": finished, "gain_reference": [0.5, 0.7], "gain_signature": [1.0, 2.0]}  # fmt: skip
+    grow = GrowUntilSaturated(min_gain=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grow.load_state_dict(state)
+    said = [str(w.message) for w in caught if "decision='gain'" in str(w.message)]
+    if finished is None:
+        assert len(said) == 1 and "realized-gain reference is ignored" in said[0]
+        assert "decision='trial' from the next check" in said[0]
+    else:
+        assert said == []
+    assert grow.history == state["history"] and (grow.checks, grow.growths, grow.finished) == (1, 1, finished)
+    assert grow._trials.trials == 0 and "gain_reference" not in grow.state_dict()
+
+
 @pytest.mark.parametrize("rule", ["crossfit", "relative", "paper"])
 def test_the_probe_pass_yields_the_networks_own_per_sample_losses(rule):
-    """min_gain reads the per-sample losses from the probe pass's forward (ghosts output zero,
-    half A cut into pieces for the relative rule): they equal an unreduced cross-entropy of the
-    network alone in eval mode, in the loader's order."""
+    """The window rule reads the per-sample losses from the probe pass's forward (ghosts output zero,
+    half A cut into pieces for the relative rule, which measure_saturation still computes): they
+    equal an unreduced cross-entropy of the network alone in eval mode, in the loader's order."""
     from growtrain.saturation import measure_saturation
 
     L.seed_everything(0)
@@ -291,15 +266,18 @@ def test_the_probe_pass_yields_the_networks_own_per_sample_losses(rule):
     torch.testing.assert_close(torch.cat(got).float(), want, rtol=1e-5, atol=1e-6)
 
 
-def test_one_process_spends_no_extra_forward_pass_on_the_gain(tmp_path, monkeypatch):
-    import growtrain.callbacks.gain_check as growth_module
+def test_one_process_spends_no_extra_forward_pass_on_the_window(tmp_path, monkeypatch):
+    """On one process the window's per-sample losses come from the probe pass's own forward: the
+    extra pass (what a DDP run makes) is never called, and every check still keeps 120 losses."""
+    import growtrain.callbacks.window_check as window_module
 
     def no_extra_pass(*args, **kwargs):
         raise AssertionError("per_sample_losses ran: the probe pass's losses were not used")
 
-    monkeypatch.setattr(growth_module, "per_sample_losses", no_extra_pass)
-    grow = _fit(0.0, tmp_path)
-    assert any("gain" in h for h in grow.history) and len(grow.gain_reference) == 120
+    monkeypatch.setattr(window_module, "per_sample_losses", no_extra_pass)
+    grow = _fit(tmp_path, max_epochs=4)
+    assert any("gain_frac" in h.get("window", {}) for h in grow.history)
+    assert all(len(e["losses"]) == 120 for e in grow._window.entries)
 
 
 def test_a_check_does_not_move_the_training_random_stream(tmp_path, monkeypatch):
@@ -328,14 +306,14 @@ def test_a_check_does_not_move_the_training_random_stream(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("change, message", [
-    ("shrink", r"120 samples at the last growth and has 100 now"),
+    ("shrink", r"the probe had 120 samples .* 100 now"),
     ("permute", r"120 of 120 probe samples differ|probe samples differ.*the same samples in another order"),
     ("other", r"probe samples differ.*other samples \(content differs\)"),
     ("relabel", r"1 of 120 probe samples differ.*other samples"),
 ])  # fmt: skip
 def test_a_probe_that_changes_between_checks_is_a_clear_error(tmp_path, change, message):
-    """The paired gain needs the same probe samples in the same order at every check: a probe
-    callable that returns fewer, reordered, other or relabelled samples after the growth is
+    """The window rule pairs the same probe samples in the same order at every check: a probe
+    callable that returns fewer, reordered, other or relabelled samples after the first check is
     refused by name, before any decision (same size included: pairing is by fingerprint)."""
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -365,13 +343,14 @@ def test_a_probe_that_changes_between_checks_is_a_clear_error(tmp_path, change, 
             if grow.growths:
                 state["changed"] = True
 
-    grow = GrowUntilSaturated(probe=probe, monitor=None, every_n_epochs=1, rule="paper", t=1e-12, min_gain=0.0,
-                              decision="gain", verbose=False)  # fmt: skip
+    # the check of epoch 0 grows (no window yet); epoch 1's pairs its losses with epoch 0's
+    grow = GrowUntilSaturated(probe=probe, schedule="periodic", every_n_epochs=1, window=1, min_gain=0.0,
+                              verbose=False)  # fmt: skip
     trainer = L.Trainer(max_epochs=4, callbacks=[grow, ChangeAfterFirstGrowth()], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0)  # fmt: skip
     model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic")
-    with pytest.raises(ValueError, match=r"probe: min_gain pairs every probe sample's loss") as err:
+    with pytest.raises(ValueError, match=r"^probe: the window rule pairs every probe sample's loss at epoch 0 with") as err:
         trainer.fit(model, dm)
     assert "Fix: keep the probe fixed" in str(err.value)
     import re
@@ -388,13 +367,12 @@ def test_a_fixed_probe_callable_passes_every_check(tmp_path):
     dm = tiny_dm()
     dm.setup("fit")
     x, y = (torch.cat(t) for t in zip(*dm.probe_dataloader()))
-    grow = GrowUntilSaturated(probe=lambda: DataLoader(TensorDataset(x, y), batch_size=32), monitor=None,
-                              every_n_epochs=1, rule="paper", t=1e-12, min_gain=0.0, max_growths=2, decision="gain",
-                              verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(probe=lambda: DataLoader(TensorDataset(x, y), batch_size=32), schedule="periodic",
+                              every_n_epochs=1, window=1, min_gain=0.0, max_growths=2, verbose=False)  # fmt: skip
     trainer = L.Trainer(max_epochs=3, callbacks=[grow], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
     trainer.fit(ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic"), dm)
-    assert sum("gain" in h for h in grow.history) >= 1
+    assert sum("gain_frac" in h.get("window", {}) for h in grow.history) >= 1  # a comparison was made
 
 
 def test_a_shuffling_probe_loader_is_refused_at_setup():
@@ -409,8 +387,13 @@ def test_a_shuffling_probe_loader_is_refused_at_setup():
     with pytest.raises(ValueError, match=r"probe: min_gain compares.*RandomSampler \(shuffle=True\).*shuffle=False"):
         trainer.fit(model, dm)
     assert trainer.global_step == 0  # refused before any training
-    # min_gain=None: the order does not matter, the same loader is accepted
-    GrowUntilSaturated(probe=probe, min_gain=None)._refuse_random_probe(probe, "probe")
+    # min_gain=None (the first-order rule alone): the order does not matter, the same loader is accepted
+    grow = GrowUntilSaturated(probe=probe, monitor=None, min_gain=None, max_growths=0, verbose=False)
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=1, callbacks=[grow], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(model, dm)
+    assert trainer.global_step == 1 and grow.decision == "rule"
+    refuse_random_probe(DataLoader(probe.dataset, batch_size=16), "probe")  # the same data unshuffled: accepted
 
 
 def test_best_scored_site_takes_the_rules_own_score_whatever_the_verdict():

@@ -1,6 +1,6 @@
-"""gamma_trace.png tells the run's story: every growth, every undo, the stop and its reason, the
-final network; and its panels show what decided under the rule in force (synthetic histories,
-expected values read off the records here, not from the plotting code)."""
+"""gamma_trace.png tells the run's story: every growth, the stop and its reason, the final network
+(and, for an earlier version's history, every undo); its panels show what decided under the rule in
+force (synthetic histories, expected values read off the records here, not from the plotting code)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,9 @@ def test_under_the_trial_rule_the_trial_panel_shows_what_decided():
 
 
 def gain_history():
-    """decision="gain": grew at 11 and 20; at 29 the second block did not pay and was undone."""
+    """A history of an earlier version's decision="gain" with restore_best (both removed; its
+    growth_history.json stays plottable): grew at 11 and 20; at 29 the second block did not pay and
+    was undone."""
     gain = lambda score, need, sat: {"rule": "gain", "score": score, "margin": need, "saturated": sat}  # noqa: E731
     base = {"gamma": 0.2, "threshold": 0.6, "margin": 0.0, "rule": "crossfit", "lower": 0.02}
     restored = {"removed_sites": ["layer1.2"], "removed_blocks": 1, "check": 1, "epoch": 20, "depth": 4}
@@ -210,7 +212,7 @@ def test_a_fit_that_ended_before_growth_did_says_so():
 
 
 def test_the_callbacks_final_state_is_the_footer():
-    """The callback's network (after any undo) is the final architecture the figure names."""
+    """The callback's network, not the history's records, is the final architecture the figure names."""
     network = SimpleNamespace(depth=lambda: 4, growth_log=[{"site": "layer1.1", "stage": "layer1", "index": 1}])
     callback = SimpleNamespace(_network=network, start_depth=3, finished="saturated", stop_reason="the reason")
     final = final_state(callback)

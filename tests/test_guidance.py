@@ -1,10 +1,10 @@
 """A newcomer never wonders what happened: a fit with no check says why, the default
 monitor works on a module that logs nothing, a missing metric is named, every fit says where its
-outputs are, options that do nothing and probes too small to resolve ``min_gain`` are warned about."""
+outputs are, options that do nothing are warned about. (The small-probe warning belonged to the removed
+decision="gain"; the default trial decision does not need it, tested here.)"""
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import lightning as L
@@ -61,7 +61,7 @@ def test_a_fit_without_a_check_warns_and_its_summary_says_why(tmp_path, monkeypa
         _trainer(tmp_path, [grow]).fit(ImageClassifier(width=4, in_channels=3, num_classes=4), _dm())
     message = next(str(w.message) for w in caught if "no growth check ran" in str(w.message))
     assert "monitor='train_loss' never plateaued: best " in message
-    assert "a plateau needs patience=5 epochs in a row without an improvement larger than" in message
+    assert "a plateau needs patience=5 epochs in a row without an improvement larger than min_rel_delta×|best|" in message
     assert "(min_stage_epochs=2)" in message
     assert "no growth_history.json or gamma_trace.png was written" in message
     assert "Fix: train longer (trainer.max_epochs)" in message and "monitor=None with every_n_epochs" in message
@@ -73,9 +73,9 @@ def test_a_fit_without_a_check_warns_and_its_summary_says_why(tmp_path, monkeypa
 
 
 def test_no_check_message_without_a_monitor_names_every_n_epochs():
-    text = guidance.no_check_message(monitor=None, best=None, wait=0, patience=3, mode="min", min_delta=0.0,
-                                     min_rel_delta=0.01, min_stage_epochs=2, stage_epochs=2, every_n_epochs=5,
-                                     epochs=2, waiting="next check in 3 epoch(s)")  # fmt: skip
+    text = guidance.no_check_message(monitor=None, best=None, wait=0, patience=3, mode="min", min_rel_delta=0.01,
+                                     min_stage_epochs=2, stage_epochs=2, every_n_epochs=5, epochs=2,
+                                     waiting="next check in 3 epoch(s)")  # fmt: skip
     assert "every_n_epochs=5 is more than the 2 training epoch(s)" in text and "next check in 3 epoch(s)" in text
     assert "a smaller every_n_epochs" in text
 
@@ -102,9 +102,9 @@ def test_returned_loss_mean_is_the_epoch_mean():
     grow = GrowUntilSaturated(verbose=False)
     for loss in (1.0, 2.0, 6.0):
         grow.on_train_batch_end(None, None, {"loss": torch.tensor(loss)}, None, 0)
-    assert float(grow._returned_loss(type("T", (), {"world_size": 1})())) == pytest.approx(3.0)
+    assert float(grow._monitor._returned_loss(type("T", (), {"world_size": 1})())) == pytest.approx(3.0)
     grow.on_train_epoch_start(type("T", (), {})(), None)  # a new epoch starts a new mean
-    assert grow._returned_loss(None) is None
+    assert grow._monitor._returned_loss(None) is None
 
 
 def test_a_metric_asked_for_and_never_logged_is_an_error_naming_it(tmp_path):
@@ -127,37 +127,6 @@ def test_every_n_epochs_with_a_monitor_warns():
         warnings.simplefilter("error")
         assert GrowUntilSaturated(every_n_epochs=3, monitor=None).every_n_epochs == 3
         assert GrowUntilSaturated().every_n_epochs == 1 and GrowUntilSaturated(monitor=None).every_n_epochs == 1
-
-
-# -- a probe too small for min_gain ----------------------------------------------------------------------
-def test_probe_too_small_for_min_gain_is_warned_before_training(tmp_path):
-    """decision='gain' (a whole stage's differences, spread ≈ the loss): a probe too small warns."""
-    steps = []
-    spy = type("Spy", (L.Callback,), {"on_train_batch_start": lambda self, *a: steps.append(1)})()
-    grow = GrowUntilSaturated(monitor=None, min_gain=0.01, alpha=0.05, decision="gain", verbose=False)
-    # limit_train_batches=0: no epoch trains, so the callback also says that no growth check ran
-    with (
-        pytest.warns(UserWarning, match=r"no growth check ran in this fit of 0 epoch\(s\)"),
-        pytest.warns(UserWarning, match=r"probe: with 40 samples a gain of min_gain=0.01 is not detectable") as caught,
-    ):
-        try:
-            _trainer(tmp_path, [grow, spy], max_epochs=1, limit_train_batches=0).fit(
-                ImageClassifier(width=4, in_channels=3, num_classes=4), _dm())
-        except Exception:
-            pass
-    message = next(str(w.message) for w in caught if "not detectable" in str(w.message))
-    need = math.ceil((1.6448536269514722 / 0.01) ** 2)
-    assert f"Smallest useful probe: {need:,} samples" in message
-    assert "noise is about 26.0 % of the probe loss" in message  # z·1/sqrt(40) = 0.26 of the loss
-    assert "more than about 27.0 %" in message  # min_gain + noise
-
-
-def test_probe_size_message_thresholds():
-    need = guidance.smallest_useful_probe(0.1, 0.05)
-    assert need == math.ceil((1.6448536269514722 / 0.1) ** 2) == 271
-    assert guidance.probe_size_message(need, 0.1, 0.05) is None
-    assert "Smallest useful probe: 271" in guidance.probe_size_message(need - 1, 0.1, 0.05)
-    assert guidance.probe_size_message(10, None, 0.05) is None
 
 
 # -- every fit says where its outputs are ----------------------------------------------------------------
@@ -288,8 +257,8 @@ def test_the_stopping_experiments_seeded_growth_rule_does_not_warn_about_every_n
         fixed = _seeded_grower(GrowUntilSaturated(monitor=None, every_n_epochs=3, min_gain=None), 7)
     assert (grow.seed, grow.config.seed, grow.every_n_epochs, fixed.every_n_epochs) == (7, 7, 1, 3)
     # the trial collaborator is built from the seeded options (its blocks follow the run's seed)
-    trial = _seeded_grower(GrowUntilSaturated(monitor="val_loss", decision="trial", min_gain=0.01, trial_sites=2), 7)
-    assert (trial._trials.seed, trial._trials.sites, trial.decision) == (7, 2, "trial")
+    trial = _seeded_grower(GrowUntilSaturated(monitor="val_loss", decision="trial", min_gain=0.01, trial_epochs=0.25), 7)
+    assert (trial._trials.seed, trial._trials.epochs, trial._trials.sites, trial.decision) == (7, 0.25, 3, "trial")
 
 
 def test_resume_false_says_it_discards_earlier_rows(tmp_path):
@@ -305,7 +274,8 @@ def test_resume_false_says_it_discards_earlier_rows(tmp_path):
 
 def test_the_default_trial_decision_does_not_warn_about_the_probe(tmp_path):
     """The default decision scores held-back training samples beside the probe, with a 2–10×
-    tighter spread: the stage-gain warning does not apply (a newcomer's first run is quiet)."""
+    tighter spread: the small-probe warning of the removed stage-gain decision does not apply (a
+    newcomer's first run is quiet)."""
     import warnings
 
     grow = GrowUntilSaturated(monitor=None, min_gain=0.01, verbose=False)

@@ -431,7 +431,7 @@ def test_the_trial_decision_on_a_hf_decoder_leaves_it_bit_for_bit(llama_dir, qui
             self.state = copy.deepcopy(pl_module.state_dict())
 
     before = Before()
-    grow = GrowUntilSaturated(decision="trial", min_gain=5.0, every_n_epochs=1, monitor=None, trial_holdout=0,
+    grow = GrowUntilSaturated(decision="trial", min_gain=5.0, every_n_epochs=1, monitor=None,
                               verbose=False)  # fmt: skip
     module = HFCausalLM(str(llama_dir))
     trainer = L.Trainer(max_epochs=1, limit_train_batches=3, limit_val_batches=1, callbacks=[before, grow],

@@ -20,11 +20,41 @@ from growtrain.experiments.measure import (
     relation_to_fit,
     run_measure,
 )
+from growtrain.data import ImageDataModule
 from growtrain.module import ImageClassifier
 from growtrain.report import saturation_table
 from growtrain.saturation import measure_saturation
 from tests import helpers as H
-from tests.test_restore import fit, tiny_dm
+
+
+def tiny_dm() -> ImageDataModule:
+    return ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=400, synthetic_classes=4, probe_size=120,
+                           val_size=40, batch_size=32, augment=False)  # fmt: skip
+
+
+def fit(tmp_path, decision="trial", min_gain=10.0, **kw):
+    """A planted fit that ends growth by its decision: min_gain=10 (a tenfold drop of the held-out loss) is
+    beyond any block (decision="trial": the first check's trials) and any window of the periodic schedule
+    (decision="window": the first full window, 2 epochs after the first check). Checkpoints every epoch."""
+    import lightning as L
+
+    from growtrain import GrowUntilSaturated
+
+    L.seed_everything(0)
+    if decision == "window":
+        how = {"schedule": "periodic", "every_n_epochs": 1, "window": 2}
+    else:
+        how = {"every_n_epochs": 2, "lr_schedule": "anneal"}
+    grow = GrowUntilSaturated(monitor=None, min_gain=min_gain, decision=decision, max_growths=3, anneal_epochs=1,
+                              on_saturated="anneal", verbose=False, **how, **kw)  # fmt: skip
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=-1,
+                                               every_n_epochs=1, save_on_train_epoch_end=True)  # fmt: skip
+    trainer = L.Trainer(max_epochs=20, callbacks=[grow, ckpt], enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path, limit_val_batches=0, logger=False)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic",
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=5e-4))  # fmt: skip
+    trainer.fit(model, tiny_dm())
+    return grow, model, trainer
 
 
 def _checkpoint(finished, stop_reason, last):
@@ -54,19 +84,30 @@ def test_the_fits_verdict_is_read_from_the_checkpoint_and_related():
     assert fit_verdict({"callbacks": {}}) is None and relation_to_fit(None, grow_here) is None
 
 
-def test_measure_on_a_fit_that_ended_saturated_says_how_the_verdicts_relate(tmp_path):
-    """A planted fit (decision="gain", an impossible min_gain) grows once, finds the block did not
-    pay, undoes it and stops; measure on its last.ckpt names its question and the fit's verdict."""
-    grow, _, _ = fit(tmp_path)
-    assert grow.finished == "saturated"
+@pytest.mark.parametrize("decision, how", [
+    ("trial", "block-only trials (decision='trial')"),
+    ("window", "(decision='window')"),
+])  # fmt: skip
+def test_measure_on_a_fit_that_ended_growth_says_how_the_verdicts_relate(tmp_path, decision, how):
+    """A planted fit ends growth by its decision (nothing pays min_gain=10); measure on its last.ckpt
+    names its question, the fit's verdict and the decision that made it, and how the two relate: the
+    fit's side a certification that failed, never the first-order question this report answers."""
+    grow, _, _ = fit(tmp_path, decision=decision)
+    assert grow.finished == "saturated" and decision in grow.history[-1]
+    assert grow.history[-1]["rule"] == "crossfit"  # the first-order rule that only chose the sites
     result = run_measure(ImageClassifier(width=4, num_classes=4), tiny_dm(),
                          ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), output_dir=tmp_path / "measure")  # fmt: skip
     assert result.fit == {"finished": "saturated", "stop_reason": grow.stop_reason, "checks": len(grow.history),
-                          "decided_by": "gain"}  # fmt: skip
+                          "decided_by": decision}  # fmt: skip
     caption = result.caption()
     assert QUESTION in caption and "first-order value of one new zero-output block" in caption
-    assert f"stopped growing ({grow.stop_reason})" in caption and "realized gain of the last stage" in caption
-    mine = "This report agrees" if result.report.saturated else f"This report says grow at {result.report.best_site}"
+    assert f"stopped growing ({grow.stop_reason}); it decided by " in caption and how in caption
+    assert "the first-order crossfit rule" not in caption  # not this report's question
+    if result.report.saturated:
+        mine = "This report agrees"
+    else:
+        mine = f"This report says grow at {result.report.best_site}"
+        assert "the two do not contradict each other" in caption
     assert mine in caption
     saved = json.loads((tmp_path / "measure" / "measure.json").read_text())
     assert saved["question"] == QUESTION and saved["fit"] == result.fit and mine in saved["relation_to_fit"]
@@ -130,14 +171,14 @@ def test_measure_reproduces_the_fits_last_check_when_nothing_differs(stopped):
     and the lower bounds are the check's exactly. Another seed: that one reason, and another Γ̂."""
     _, path, last = stopped
     same = run_measure(ImageClassifier(width=4, num_classes=4), _dm(), ckpt_path=path, seed=2000, delta=1e3,
-                       fit_growth={"seed": 2, "calibrate": True})  # fmt: skip
+                       fit_growth={"seed": 2, "precision": "32-true"})  # fmt: skip
     assert same.differences == [] and same.last_check["check"] == 0
     assert (same.report.gamma, same.report.threshold) == (last["gamma"], last["threshold"])
     assert max(r.lower for r in same.report.sites) == last["lower"]
     assert "Same network, candidate blocks, calibration, precision, level, t, rule and δ: the figures agree" in \
         same.caption()  # fmt: skip
     other = run_measure(ImageClassifier(width=4, num_classes=4), _dm(), ckpt_path=path, seed=0, delta=1e3,
-                        fit_growth={"seed": 2, "calibrate": True})  # fmt: skip
+                        fit_growth={"seed": 2, "precision": "32-true"})  # fmt: skip
     (reason,) = other.differences
     assert reason.startswith("candidate blocks: that check drew them with seed 2000 (GrowUntilSaturated's seed 2 × "
                              "1000 + check 0), this report with seed=0") and "(seed=2000 draws that check's)" in reason
@@ -146,12 +187,13 @@ def test_measure_reproduces_the_fits_last_check_when_nothing_differs(stopped):
 
 
 def test_differences_names_each_reason_that_applies():
-    """Trained after the check, grown or restored there, another seed, calibration, level, t, rule, δ:
-    each listed when (and only when) it applies."""
+    """Trained after the check, grown there, another seed, level, t, rule, δ: each listed when (and only
+    when) it applies. A checkpoint of an earlier version can also say its check undid a growth
+    (restore_best) or that its checks ran uncalibrated (calibrate=False): those reasons stay too."""
     base = {"check": 3, "step": 50, "checkpoint_step": 50, "alpha": 0.05, "error_bound": 0.05, "t": 0.4,
             "rule": "crossfit", "delta": 0.0, "action": "saturated", "sites": [], "restored": False}  # fmt: skip
     report = SimpleNamespace(alpha=0.05, rule="crossfit", delta=0.0)
-    same = dict(seed=3003, fit_growth={"seed": 3, "calibrate": True})
+    same = dict(seed=3003, fit_growth={"seed": 3})  # what a fit records now (growtrain.trainer's measure)
     assert differences(base, report, **same) == []
     cases = {
         "trained on for 30 optimizer step(s) (the check at step 50, this checkpoint at step 80": {

@@ -292,7 +292,7 @@ def test_a_stage_anneal_is_not_counted_as_the_final_phase():
     """The summary's split counts only the final anneal: a converged stage's anneal (before its
     check) is growing time."""
     grow = GrowUntilSaturated(lr_schedule="anneal", on_saturated="anneal", anneal_epochs=3, verbose=False)
-    grow.anneal_kind, grow.anneal_done = "stage", 2
+    grow._anneal.kind, grow._anneal.done = "stage", 2
     assert grow.final_epochs == 0 and grow.growth_epochs is None
-    grow.anneal_kind = "final"
+    grow._anneal.kind = "final"
     assert grow.final_epochs == 2

@@ -95,19 +95,28 @@ def data(n: int, seed: int):
     return TensorDataset(x, y)
 
 
-@pytest.mark.parametrize("calibrate", [True, False], ids=["calibrate", "no-calibrate"])
-@pytest.mark.parametrize("rule", ["paper", "crossfit", "relative"])
-def test_a_check_restores_modes_flags_and_grad_state(tmp_path, rule, calibrate):
+# calibration of candidate BatchNorms is always on (the option was removed); the relative rule is
+# no callback option any more. Each decision runs its own code inside a check: the trial trains a
+# block with the rest of the network frozen and in eval mode, the window scores the probe's losses.
+@pytest.mark.parametrize(
+    "rule, options",
+    [
+        ("paper", {"decision": "rule", "t": 1e-9, "min_gain": None}),
+        ("crossfit", {"decision": "rule", "min_gain": None}),
+        ("crossfit", {"decision": "trial", "min_gain": 0.01}),
+        ("crossfit", {"schedule": "periodic", "decision": "window", "window": 1, "min_gain": 0.01}),
+    ],
+    ids=["paper-rule", "crossfit-rule", "trial", "window"],
+)
+def test_a_check_restores_modes_flags_and_grad_state(tmp_path, rule, options):
     torch.manual_seed(0)
     module = Sandwich()
     train = DataLoader(data(96, 0), batch_size=16, shuffle=True)
     probe = DataLoader(data(64, 1), batch_size=16)
     # t=1e-9 makes the paper rule grow at its first check (both the grow and the later
-    # checks are covered); the cross-fit and relative rules decide whatever the data say.
-    extra = {"t": 1e-9} if rule == "paper" else {}
-    grower = GrowUntilSaturated(monitor=None, probe=probe, network="trunk", rule=rule, calibrate=calibrate,
-                                every_n_epochs=1, max_growths=2, on_saturated="continue", verbose=False,
-                                **extra)  # fmt: skip
+    # checks are covered); the other decisions decide whatever the data say.
+    grower = GrowUntilSaturated(monitor=None, probe=probe, network="trunk", rule=rule, every_n_epochs=1,
+                                max_growths=2, on_saturated="continue", verbose=False, **options)  # fmt: skip
     before, after = Spy(), Spy()
     trainer = L.Trainer(max_epochs=3, callbacks=[before, grower, after], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -115,7 +124,11 @@ def test_a_check_restores_modes_flags_and_grad_state(tmp_path, rule, calibrate):
     trainer.fit(module, train)
 
     checks = len(grower.history)
-    assert checks >= 1
+    assert checks >= 1 and grower.decision == options["decision"]
+    if options["decision"] in ("trial", "window"):  # the decision's own step ran inside the check
+        assert options["decision"] in grower.history[0]
+    if options["decision"] == "trial":
+        assert grower.history[0]["trial"]["trials"], grower.history[0]["trial"]
     if rule == "paper":
         assert grower.history[0]["action"] == "grow"
     for pre, post in zip(before.snapshots[:checks], after.snapshots[:checks]):

@@ -219,21 +219,41 @@ def test_the_trial_decision_grows_and_reports_every_verdict(tmp_path):
 
 @pytest.mark.parametrize("kw, arg", [
     ({"decision": "guess"}, "decision"),
+    ({"decision": "gain"}, "decision"),
     ({"decision": "trial", "min_gain": None}, "decision"),
-    ({"decision": "trial", "trial_growth": True}, "trial_growth"),
     ({"trial_epochs": 0}, "trial_epochs"),
-    ({"trial_lr": -1.0}, "trial_lr"),
-    ({"trial_sites": 0}, "trial_sites"),
+    ({"trial_epochs": math.inf}, "trial_epochs"),
 ])  # fmt: skip
 def test_bad_trial_options_are_refused_naming_the_argument(kw, arg):
     with pytest.raises(ValueError, match=rf"^{arg}: expected .*Fix: "):
         GrowUntilSaturated(**kw)
 
 
+@pytest.mark.parametrize("option, fix", [
+    ("trial_lr", r"DEFAULT_TRIAL_LR \(1e-3\)"),
+    ("trial_holdout", r"DEFAULT_TRIAL_HOLDOUT \(20,000\)"),
+    ("trial_sites", r"TRIAL_SITES = 3"),
+    ("trial_growth", r"decision='trial' tries a block at every check"),
+])  # fmt: skip
+def test_a_removed_trial_option_is_refused_naming_it_and_its_fix(option, fix):
+    """The trial's rate, hold-out and sites are constants now; trial_growth went with decision="gain"."""
+    with pytest.raises(TypeError, match=rf"^GrowUntilSaturated: option\(s\) {option} were removed .*Fix: {option}: .*{fix}"):
+        GrowUntilSaturated(min_gain=0.01, **{option: 1})
+
+
+def test_the_trials_run_with_the_constants_that_replaced_their_options():
+    from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_HOLDOUT, DEFAULT_TRIAL_LR, TRIAL_SITES
+
+    assert (DEFAULT_TRIAL_LR, DEFAULT_TRIAL_HOLDOUT, TRIAL_SITES) == (1e-3, 20000, 3)
+    trials = GrowUntilSaturated(trial_epochs=0.25)._trials
+    assert (trials.lr, trials.holdout, trials.sites, trials.epochs) == (DEFAULT_TRIAL_LR, DEFAULT_TRIAL_HOLDOUT, 3, 0.25)
+    assert GrowUntilSaturated().trial_epochs == DEFAULT_TRIAL_EPOCHS
+    assert GrowUntilSaturated(min_gain=None)._trials is None  # no trial without one to decide
+
+
 def test_the_default_decision_is_the_trial_and_min_gain_none_is_the_rule():
     assert GrowUntilSaturated().decision == "trial"
     assert GrowUntilSaturated(min_gain=None).decision == "rule"
-    assert GrowUntilSaturated(trial_growth=True).decision == "gain"
 
 
 def _chance_inputs(y: torch.Tensor):
@@ -389,8 +409,10 @@ def test_a_fit_without_a_root_dir_writes_into_the_tests_own_directory(tmp_path):
 
 def test_the_probes_share_of_a_trial_is_its_own_gain(tmp_path):
     """``probe_gain_frac`` is the probe samples' mean gain over their mean loss before: with no
-    held-back training samples (trial_holdout=0) it is the pooled test's point estimate itself."""
-    grow, model, trainer = fit_trial(tmp_path, min_gain=5.0, trial_holdout=0)
+    held-back training samples (the collaborator's hold-out set to 0) it is the pooled test's point
+    estimate itself."""
+    grow, model, trainer = fit_trial(tmp_path, min_gain=5.0)
+    grow._trials.holdout = 0
     trainer.fit(model, tiny_dm())
     trials = grow.history[0]["trial"]["trials"]
     assert all(t["n_holdout"] == 0 and t["n_probe"] > 0 for t in trials)

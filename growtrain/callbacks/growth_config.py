@@ -14,20 +14,52 @@ from typing import Any, Callable, Iterable, Literal, Sequence
 from torch import nn
 from torch.utils.data import DataLoader
 
-from growtrain.decision import DEFAULT_MIN_GAIN, DEFAULT_RULE, DEFAULT_TAU, RULES, check_min_gain, check_tau
+from growtrain.decision import DEFAULT_MIN_GAIN, DEFAULT_RULE, check_min_gain
 from growtrain.reconfigure import LR_SCHEDULES as _SCHEDULER_MODES
-from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_HOLDOUT, DEFAULT_TRIAL_LR
+from growtrain.trial import DEFAULT_TRIAL_EPOCHS
 
-__all__ = ["GrowthConfig", "ON_SATURATED", "ALPHA_SPENDING", "MODES", "LR_SCHEDULES", "DECISIONS", "SCHEDULES"]
+__all__ = ["GrowthConfig", "ON_SATURATED", "MODES", "LR_SCHEDULES", "DECISIONS", "SCHEDULES", "CALLBACK_RULES",
+           "REMOVED"]
 
 ON_SATURATED = ("stop", "continue", "anneal")
-ALPHA_SPENDING = ("constant", "geometric", "inverse_square")  # growtrain.crossfit.alpha_schedule's names
 MODES = ("min", "max")
 # "trial": every check trains candidate blocks alone and grows iff one certifies min_gain (the default,
-# docs/decision.md); "gain": the first-order rule (or a trial growth) first, then the stage's realized gain;
-# "rule": the first-order rule alone; "window" (schedule="periodic"): the growing run's own paired gain
-# over the last `window` epochs (growtrain/window.py).
-DECISIONS = ("trial", "gain", "rule", "window")
+# docs/decision.md); "window" (schedule="periodic"): the growing run's own paired gain over the last
+# `window` epochs (growtrain/window.py); "rule": the first-order rule alone.
+DECISIONS = ("trial", "window", "rule")
+# The first-order rules a check decides or chooses its site by (the relative rule stays a reported verdict of
+# growtrain measure and measure_saturation, not a callback option: docs/results/history.md).
+CALLBACK_RULES = ("paper", "crossfit")
+# Options removed in the eighth session (docs/results/history.md), each with what to do instead. A config or call that
+# still passes one gets this message (GrowUntilSaturated(**kwargs), growtrain fit), not an unknown-argument error.
+REMOVED: dict[str, str] = {
+    "cooldown": "drop it: min_stage_epochs already keeps a new stage from being checked too early",
+    "probe_budget": "drop it: it postponed checks by a fixed sample count; a periodic check costs 1-2 % of a fit "
+                    "and a converged stage is checked once, when it has converged (docs/results/history.md)",
+    "tau": "drop it with rule='relative' (removed): pass rule='crossfit'",
+    "alpha_spending": "drop it: every check tests at alpha (a stop ends growth, so the checks form a fixed sequence)",
+    "restore_best": "drop it with decision='gain' (removed): the trial grows only a block that certified its gain",
+    "trial_growth": "drop it with decision='gain' (removed): decision='trial' tries a block at every check",
+    "trial_lr": "drop it: the trial's Adam rate is growtrain.trial.DEFAULT_TRIAL_LR (1e-3)",
+    "trial_holdout": "drop it: the trial scores up to growtrain.trial.DEFAULT_TRIAL_HOLDOUT (20,000) held-back samples",
+    "trial_sites": "drop it: the trial tries the best site of each stage (growtrain.trial.TRIAL_SITES = 3)",
+    "top_k": "drop it: a check grows one block, at the best site",
+    "max_blocks": "pass max_growths (blocks added) or max_params instead",
+    "projected": "drop it: V_S is reported by growtrain measure (projected=True), never needed by a decision",
+    "calibrate": "drop it: candidate blocks' BatchNorm statistics are always set on the probe first",
+    "log_sites": "drop it: every check logs and keeps its per-site figures",
+    "min_delta": "pass min_rel_delta (relative to the best value: scale-free) instead",
+}
+
+
+def removed_message(names: Iterable[str]) -> str | None:
+    """The error for options removed from ``GrowUntilSaturated``, naming each with its replacement."""
+    given = [n for n in names if n in REMOVED]
+    if not given:
+        return None
+    lines = "; ".join(f"{n}: {REMOVED[n]}" for n in given)
+    return (f"GrowUntilSaturated: option(s) {', '.join(given)} were removed (their studies did not keep them; "
+            f"docs/results/history.md). Fix: {lines}.")
 # When a check comes: "converged" (a stage plateaus, optionally annealed, then is judged: the paper's
 # protocol) or "periodic" (every every_n_epochs at the constant rate, one final anneal at the end).
 SCHEDULES = ("converged", "periodic")
@@ -68,40 +100,25 @@ class GrowthConfig:
     loss_fn: Callable[[Any, Any], Any] | None = None
     schedule: Literal["converged", "periodic"] = "converged"
     every_n_epochs: int | None = None  # None: 1 (given with a monitor: warned about, it has no effect)
-    window: int = 10  # schedule="periodic": the stop rule's window J, in epochs
+    window: int = 6  # schedule="periodic": the stop rule's window J, in epochs (the study's J = 3K, K = 2)
     monitor: str | None = "train_loss"
     mode: Literal["min", "max"] = "min"
     patience: int = 3
-    min_delta: float = 0.0
     min_rel_delta: float = 0.01
     min_stage_epochs: int = 2
-    cooldown: int = 0
-    probe_budget: float | None = None
     delta: float = 0.0
     alpha: float = 0.05
     t: float | None = None
-    rule: Literal["paper", "crossfit", "relative"] | None = None
-    tau: float = DEFAULT_TAU
+    rule: Literal["paper", "crossfit"] | None = None
     min_gain: float | None = DEFAULT_MIN_GAIN
-    alpha_spending: Literal["constant", "geometric", "inverse_square"] = "constant"
-    restore_best: bool = True
-    trial_growth: bool = False
-    decision: Literal["trial", "gain", "rule", "window"] | None = None
+    decision: Literal["trial", "window", "rule"] | None = None
     trial_epochs: float = DEFAULT_TRIAL_EPOCHS
-    trial_lr: float = DEFAULT_TRIAL_LR
-    trial_holdout: int = DEFAULT_TRIAL_HOLDOUT
-    trial_sites: int = 3
-    top_k: int = 1
     max_growths: int | None = None
-    max_blocks: int | None = None
     max_params: int | None = None
     on_saturated: Literal["stop", "continue", "anneal"] = "stop"
     anneal_epochs: int = 10
     lr_schedule: Literal["continue", "restart", "anneal"] = "continue"
-    projected: bool = False
-    calibrate: bool = True
     seed: int = 0
-    log_sites: bool = True
     verbose: bool = True
 
     def __post_init__(self) -> None:
@@ -139,13 +156,8 @@ class GrowthConfig:
                           stacklevel=4)  # fmt: skip
         _choice("mode", self.mode, MODES)
         _int("patience", self.patience, 1)
-        _number("min_delta", self.min_delta, fix="pass min_delta=0.0")
         _number("min_rel_delta", self.min_rel_delta, fix="pass min_rel_delta=0.01 (an improvement of 1 % of the best)")
         _int("min_stage_epochs", self.min_stage_epochs, 1)
-        _int("cooldown", self.cooldown, 0)
-        budget = self.probe_budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1):
-            raise _bad("probe_budget", "None or a fraction in (0, 1]", budget, "pass probe_budget=0.05 or None")
         _number("delta", self.delta, fix="pass delta=0.0 (the practical-saturation margin δ, gradient-norm units)")
         alpha = self.alpha
         if isinstance(alpha, bool) or not (isinstance(alpha, (int, float)) and 0 < alpha < 1):
@@ -155,61 +167,48 @@ class GrowthConfig:
         rule = self.rule
         if rule is None:  # t is the paper rule's threshold: giving it asks for that rule
             object.__setattr__(self, "rule", rule := "paper" if self.t is not None else DEFAULT_RULE)
-        _choice("rule", rule, RULES)
-        object.__setattr__(self, "tau", check_tau(self.tau))
+        if rule == "relative":
+            raise _bad("rule", f"one of {CALLBACK_RULES}", rule, "pass rule='crossfit' (the relative rule was removed "
+                       "from the callback: docs/results/history.md; growtrain measure still reports it)")  # fmt: skip
+        _choice("rule", rule, CALLBACK_RULES)
         object.__setattr__(self, "min_gain", check_min_gain(self.min_gain))
         if self.t is not None and rule != "paper":
             warnings.warn(f"GrowUntilSaturated: t only sets the paper rule's threshold; rule={rule!r} decides by its "
                           "lower bound at level alpha, so t changes the reported figures only.", UserWarning,
                           stacklevel=4)  # fmt: skip
-        _choice("alpha_spending", self.alpha_spending, ALPHA_SPENDING)
-        _int("top_k", self.top_k, 1)
         _int("max_growths", self.max_growths, 0, optional=True)
-        _int("max_blocks", self.max_blocks, 1, optional=True)
         _int("max_params", self.max_params, 1, optional=True)
         _choice("on_saturated", self.on_saturated, ON_SATURATED)
         _int("anneal_epochs", self.anneal_epochs, 1)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        for name in ("projected", "calibrate", "log_sites", "verbose", "restore_best", "trial_growth"):
-            if not isinstance(getattr(self, name), bool):
-                raise _bad(name, "True or False", getattr(self, name), f"pass {name}=True")
+        if not isinstance(self.verbose, bool):
+            raise _bad("verbose", "True or False", self.verbose, "pass verbose=True")
         _int("seed", self.seed, 0)
-        if self.trial_growth and self.min_gain is None:
-            raise _bad("trial_growth", "min_gain set (a trial growth is judged by its realized gain)", self.min_gain,
-                       "pass min_gain=0.01 with trial_growth=True, or trial_growth=False")  # fmt: skip
         self._check_decision()
-        for name in ("min_delta", "min_rel_delta", "delta", "alpha"):
+        for name in ("min_rel_delta", "delta", "alpha"):
             object.__setattr__(self, name, float(getattr(self, name)))
-        if budget is not None:
-            object.__setattr__(self, "probe_budget", float(budget))
 
     def _check_decision(self) -> None:
         decision = self.decision
         periodic = self.schedule == "periodic"
-        if decision is None:  # min_gain=None asks for the first-order rule alone; trial_growth for the stage gain
-            decision = ("rule" if self.min_gain is None else "gain" if self.trial_growth
-                        else "window" if periodic else "trial")  # fmt: skip
+        if decision is None:  # min_gain=None asks for the first-order rule alone
+            decision = "rule" if self.min_gain is None else "window" if periodic else "trial"
+        if decision == "gain":
+            raise _bad("decision", f"one of {DECISIONS}", decision, "pass decision='trial' (the block's own value "
+                       "replaced the stage's realized gain: docs/results/history.md), or schedule='periodic'")  # fmt: skip
         _choice("decision", decision, DECISIONS)
         if decision == "window" and not periodic:
             raise _bad("decision", "'window' only with schedule='periodic' (it compares checks `window` epochs "
                        "apart while the run grows at the constant rate)", decision,
                        "pass schedule='periodic', or decision='trial'")  # fmt: skip
-        if periodic and decision == "gain":
-            raise _bad("decision", "'window', 'trial' or 'rule' with schedule='periodic' (a stage's realized gain "
-                       "needs a converged stage)", decision, "pass decision='window'")  # fmt: skip
-        if decision in ("trial", "gain", "window") and self.min_gain is None:
+        if decision in ("trial", "window") and self.min_gain is None:
             raise _bad("decision", "min_gain set (the gain a block must certify)", f"{decision!r} with min_gain=None",
                        "pass min_gain=0.01, or decision='rule'")  # fmt: skip
-        if decision == "trial" and self.trial_growth:
-            raise _bad("trial_growth", "False with decision='trial' (every check already tries blocks)", True,
-                       "drop trial_growth, or pass decision='gain'")  # fmt: skip
         object.__setattr__(self, "decision", decision)
-        for name, value in (("trial_epochs", self.trial_epochs), ("trial_lr", self.trial_lr)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise _bad(name, "a finite number > 0", value, f"pass {name}={getattr(GrowthConfig, name)}")
-            object.__setattr__(self, name, float(value))
-        _int("trial_holdout", self.trial_holdout, 0)
-        _int("trial_sites", self.trial_sites, 1)
+        value = self.trial_epochs
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise _bad("trial_epochs", "a finite number > 0", value, f"pass trial_epochs={DEFAULT_TRIAL_EPOCHS}")
+        object.__setattr__(self, "trial_epochs", float(value))
 
     @classmethod
     def names(cls) -> list[str]:

@@ -6,60 +6,21 @@
 - :func:`output_lines`: where the fit's outputs are (logs, ``growth_history.json``, the Γ̂
   trace, checkpoints, and which checkpoint holds the network the fit handed over), naming only
   files the fit wrote;
-- :func:`probe_resolution` / :func:`probe_size_message`: whether the probe is large enough for a
-  gain of ``min_gain`` to be detectable at level α, and the smallest size that is.
+- :func:`phase_line`: how the fit's epochs split between growing and the final phase (the
+  summary's line; ``telemetry.fit_end_summary`` builds the summary).
 
 Nothing here decides anything; the numbers come from the callback's state.
 """
 
 from __future__ import annotations
 
-import math
 import os
-from statistics import NormalDist
 from typing import Any
 
-__all__ = ["no_check_message", "no_check_reason", "output_lines", "probe_resolution", "probe_size_message",
-           "GAIN_SPREAD"]
-
-# The spread of the per-sample paired loss differences that min_gain's test averages, as a
-# fraction of the probe loss: measured 0.91-1.04 on every judged growth of the Fashion-MNIST
-# stopping runs (docs/results/stopping/runs.jsonl, `se·sqrt(n)/loss_before`). Its test's
-# resolution is z_{1-alpha} · GAIN_SPREAD / sqrt(n) of the probe loss.
-GAIN_SPREAD = 1.0
-
-
-def probe_resolution(n: int, alpha: float, spread: float = GAIN_SPREAD) -> float:
-    """The noise part of the smallest gain ``min_gain``'s test certifies with ``n`` probe samples
-    at level ``alpha``, as a fraction of the probe loss: ``z_{1-alpha} · spread / sqrt(n)``."""
-    return NormalDist().inv_cdf(1.0 - alpha) * spread / math.sqrt(n)
-
-
-def smallest_useful_probe(min_gain: float, alpha: float, spread: float = GAIN_SPREAD) -> int:
-    """The probe size whose resolution equals ``min_gain`` (a gain of 2·min_gain is then certified
-    about half the time)."""
-    return math.ceil((NormalDist().inv_cdf(1.0 - alpha) * spread / min_gain) ** 2)
-
-
-def probe_size_message(n: int, min_gain: float | None, alpha: float) -> str | None:
-    """A warning when a gain of ``min_gain`` is not detectable with ``n`` probe samples at level
-    ``alpha`` (the test's resolution exceeds ``min_gain``); ``None`` when it is, or without ``min_gain``."""
-    if min_gain is None or min_gain <= 0 or n < 2:
-        return None
-    noise = probe_resolution(n, alpha)
-    if noise <= min_gain:
-        return None
-    need = smallest_useful_probe(min_gain, alpha)
-    return (
-        f"probe: with {n} samples a gain of min_gain={min_gain:g} is not detectable at level alpha={alpha:g}: the "
-        f"test's noise is about {100 * noise:.1f} % of the probe loss, so a growth counts only if it lowers the "
-        f"probe loss by more than about {100 * (min_gain + noise):.1f} %. Smallest useful probe: {need:,} samples "
-        "(or a larger min_gain). Why: docs/callback.md, 'Probe size and min_gain'."
-    )
-
+__all__ = ["no_check_message", "no_check_reason", "output_lines", "phase_line"]
 
 def no_check_message(*, monitor: str | None, best: float | None, wait: int, patience: int, mode: str,
-                     min_delta: float, min_rel_delta: float, min_stage_epochs: int, stage_epochs: int,
+                     min_rel_delta: float, min_stage_epochs: int, stage_epochs: int,
                      every_n_epochs: int, epochs: int, waiting: str | None) -> str:  # fmt: skip
     """Why a fit ended without a single growth check, and what to change."""
     if epochs == 0:
@@ -68,9 +29,9 @@ def no_check_message(*, monitor: str | None, best: float | None, wait: int, pati
         if best is None:
             plateau = f"its best value was never recorded (patience={patience})"
         else:
-            step = max(min_delta, min_rel_delta * abs(best))
+            step = min_rel_delta * abs(best)
             plateau = (f"best {best:.4g} ({mode}); a plateau needs patience={patience} epochs in a row without an "
-                       f"improvement larger than max(min_delta, min_rel_delta×|best|) = {step:.3g}, and the last "
+                       f"improvement larger than min_rel_delta×|best| = {step:.3g}, and the last "
                        f"{wait} epoch(s) had none")  # fmt: skip
         why = (
             f"monitor={monitor!r} never plateaued: {plateau}; the current stage is {stage_epochs} epoch(s) long "
@@ -78,7 +39,7 @@ def no_check_message(*, monitor: str | None, best: float | None, wait: int, pati
         )
     elif every_n_epochs > epochs:
         why = f"every_n_epochs={every_n_epochs} is more than the {epochs} training epoch(s) of this fit"
-    else:  # the schedule was due, something delayed the check (a stage anneal, a cooldown): ``waiting`` says what
+    else:  # the schedule was due, something delayed the check (a stage anneal): ``waiting`` says what
         why = f"the check due after every_n_epochs={every_n_epochs} epoch(s) had not run when the fit ended"
     if waiting:
         why += f"; at the last epoch: {waiting}"
@@ -139,7 +100,7 @@ def checkpoint_roles(trainer: Any, cb: Any) -> str:
     memory at its end), and what the best file holds: a user who loads ``best_train`` for the grown
     network may get an earlier, shallower one. A file holds the final network when the callback's
     last save was at the fit's last step (``ModelCheckpoint`` saves after the growth callback's
-    check at an epoch's end, and an undo saves the restored network again, remeasure.py)."""
+    check at an epoch's end)."""
     best, last = getattr(cb, "best_model_path", ""), getattr(cb, "last_model_path", "")
     step, end = getattr(cb, "_last_global_step_saved", None), getattr(trainer, "global_step", None)
     final = (last or getattr(cb, "_last_checkpoint_saved", "") or None) if step is not None and step == end else None

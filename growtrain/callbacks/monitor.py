@@ -1,5 +1,8 @@
-"""When has a stage converged? The monitor's plateau (or the loss ``training_step`` returned, when
-none is logged), the training samples seen, and the probe's size: a mixin of ``GrowUntilSaturated``.
+"""When has a stage converged? ``StageMonitor``: the monitored metric's plateau (or, when the
+module logs no ``train_loss``, the epoch mean of the loss ``training_step`` returns).
+
+A collaborator of ``GrowUntilSaturated`` (the converged schedule's input), with its own state
+(``best``, ``wait``) that travels in the callback's checkpoint under the same keys as before.
 """
 
 from __future__ import annotations
@@ -8,60 +11,56 @@ import math
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from growtrain import decision as dec
-from growtrain.callbacks import guidance
 from growtrain.callbacks.probe_data import loaders_of
 
-__all__ = ["StageMonitorMixin"]
+__all__ = ["StageMonitor", "samples_per_epoch"]
 
 
-class StageMonitorMixin:
-    """``_track_monitor`` (plateau), its fallback on the returned loss, sample and probe counts."""
+def samples_per_epoch(trainer: Trainer) -> int:
+    """Training samples of one epoch over all ranks: batches (after ``limit_train_batches``) × the
+    train loader's batch size × world size (a count, not a measurement)."""
+    batches = trainer.num_training_batches
+    loaders = trainer.train_dataloader
+    loader = loaders if isinstance(loaders, DataLoader) else next(iter(loaders_of(loaders)), None)
+    size = getattr(loader, "batch_size", None) or 1
+    if not isinstance(batches, (int, float)) or not math.isfinite(batches):
+        return 0
+    return int(batches) * int(size) * trainer.world_size
 
-    @staticmethod
-    def _samples_per_epoch(trainer: Trainer) -> int:
-        """Training samples of one epoch over all ranks: batches (after ``limit_train_batches``)
-        × the train loader's batch size × world size (a count, not a measurement)."""
-        batches = trainer.num_training_batches
-        loaders = trainer.train_dataloader
-        loader = loaders if isinstance(loaders, DataLoader) else next(iter(loaders_of(loaders)), None)
-        size = getattr(loader, "batch_size", None) or 1
-        if not isinstance(batches, (int, float)) or not math.isfinite(batches):
-            return 0
-        return int(batches) * int(size) * trainer.world_size
 
-    def _warn_small_probe(self, trainer: Trainer) -> None:
-        """Warn once, before training, when a gain of ``min_gain`` is not detectable with this probe at level α.
+class StageMonitor:
+    """``EarlyStopping``'s plateau, relative: an improvement is a change beyond ``min_rel_delta`` of
+    the best value in the ``mode`` direction, and ``patience`` epochs without one make a plateau."""
 
-        Only for ``decision="gain"``: the figure behind the warning is the spread of a whole stage's
-        per-sample differences (≈ the probe loss). A block-only trial's are 2–10× tighter and it
-        scores held-back training samples beside the probe (docs/decision.md)."""
-        if self.min_gain is None or self.decision != "gain":
-            return
-        try:
-            n = self._probe_samples(trainer)
-        except Exception:  # a probe that cannot be counted: nothing to say
-            return
-        message = guidance.probe_size_message(n, self.min_gain, self.alpha)
-        if message is not None:
-            rank_zero_warn(message, category=UserWarning)
+    def __init__(self, monitor: str | None, mode: str, patience: int, min_rel_delta: float):
+        self.monitor, self.mode, self.patience, self.min_rel_delta = monitor, mode, patience, min_rel_delta
+        self.best: float | None = None
+        self.wait = 0
+        self._returned: torch.Tensor | None = None  # sum of this epoch's losses returned by training_step
+        self._returned_batches = 0
+        self._told_returned = False
 
-    def _probe_samples(self, trainer: Trainer) -> int:
-        loader = self._probe_loader(trainer)
-        dataset = getattr(loader, "dataset", None)
-        try:
-            return len(dataset) if dataset is not None else sum(len(b[-1]) for b in loader)
-        except TypeError:
-            return 0
+    def new_stage(self) -> None:
+        """After a growth the new stage is judged from scratch."""
+        self.best, self.wait = None, 0
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
-        """Keep the loss ``training_step`` returned (summed on its device, no host copy per batch):
-        the default monitor's fallback when the module logs no ``train_loss``."""
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "wait": self.wait}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.wait = state.get("best"), int(state.get("wait", 0))
+
+    # -- the returned loss: the default monitor's fallback ---------------------------------------
+    def epoch_start(self) -> None:
+        self._returned, self._returned_batches = None, 0
+
+    def batch_end(self, outputs: Any) -> None:
+        """Keep the loss ``training_step`` returned (summed on its device, no host copy per batch)."""
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if self.monitor == "train_loss" and isinstance(loss, torch.Tensor) and loss.numel() == 1:
             loss = loss.detach().float()
@@ -81,7 +80,8 @@ class StageMonitorMixin:
             self._told_returned = True
         return mean
 
-    def _track_monitor(self, trainer: Trainer) -> bool:
+    def plateaued(self, trainer: Trainer) -> bool:
+        """Read this epoch's value, update ``best``/``wait``; a metric never logged is an error naming it."""
         value = trainer.callback_metrics.get(self.monitor)
         if value is None:
             value = self._returned_loss(trainer)
@@ -93,7 +93,7 @@ class StageMonitorMixin:
                 f"monitor one of the available metrics, or pass monitor=None (checks every every_n_epochs).{validation}"
             )
         value = float(value)
-        min_delta = max(self.min_delta, self.min_rel_delta * abs(self.best)) if self.best is not None else 0.0
+        min_delta = self.min_rel_delta * abs(self.best) if self.best is not None else 0.0
         self.best, self.wait, plateaued = dec.plateau_update(
             value, self.best, self.wait, mode=self.mode, min_delta=min_delta, patience=self.patience
         )

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, Subset
 
-__all__ = ["probe_overlap", "ShardSampler", "shard_loader", "loaders_of", "datasets_of", "ProbeView",
+__all__ = ["probe_overlap", "refuse_random_probe", "ShardSampler", "shard_loader", "loaders_of", "datasets_of", "ProbeView",
            "first_input", "eval_output", "check_split_indices", "has_forward", "check_probe_setup"]
 
 
@@ -258,6 +258,19 @@ def random_order(loader: Any) -> str | None:
         if isinstance(sampler, DistributedSampler) and sampler.shuffle:
             return "its DistributedSampler has shuffle=True"
     return None
+
+
+def refuse_random_probe(loader: Any, name: str) -> None:
+    """A decision that pairs each probe sample's loss (the trial's before and after, the window's
+    checks) needs the same samples in the same order: a shuffling probe is refused at setup (one
+    that changes otherwise is refused at the check, by its samples' fingerprints)."""
+    why = random_order(loader)
+    if why is not None:
+        raise ValueError(
+            f"{name}: min_gain compares every probe sample's loss at one time with its loss at another, so the probe "
+            f"must yield the same samples in the same order at every check, but {why}. Fix: build the probe loader "
+            "with shuffle=False (the order does not matter to the saturation score), or pass min_gain=None."
+        )
 
 
 class Converted:

@@ -17,12 +17,14 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
+from growtrain.callbacks import guidance
 from growtrain.callbacks.guidance import no_check_reason
 from growtrain.plots import outcome
 from growtrain.saturation import SaturationReport
 
 __all__ = ["plain", "count_params", "check_record", "log_check", "history_path", "write_history",
-           "print_renderable", "check_table", "fit_summary", "final_metrics", "SUMMARY_KEYS"]  # fmt: skip
+           "print_renderable", "check_table", "fit_summary", "fit_end_summary", "final_metrics",
+           "SUMMARY_KEYS"]  # fmt: skip
 
 SUMMARY_KEYS = ("train_loss", "val_loss", "train_acc", "val_acc")  # the end-of-fit summary's final metrics
 
@@ -48,7 +50,7 @@ def count_params(module: nn.Module) -> int:
 
 
 def check_record(report: SaturationReport | None, action: str, reason: str, sites: list[str], network: nn.Module,
-                 depth: int | None, log_sites: bool, certified: bool = False) -> dict:  # fmt: skip
+                 depth: int | None, certified: bool = False) -> dict:  # fmt: skip
     """The history fields that describe a check's outcome and the report behind it.
 
     ``action`` is the code value (``"grow"``, ``"saturated"``, ``"budget"``); ``certified`` is the
@@ -72,12 +74,11 @@ def check_record(report: SaturationReport | None, action: str, reason: str, site
     out["verdicts"] = {k: v.to_dict() for k, v in report.verdicts.items()}
     if report.extra:
         out["extra"] = dict(report.extra)
-    if log_sites:
-        out["site_scores"] = [r.to_dict() for r in report.sites]
+    out["site_scores"] = [r.to_dict() for r in report.sites]
     return out
 
 
-def log_check(trainer: Trainer, report: SaturationReport | None, record: dict, log_sites: bool) -> None:
+def log_check(trainer: Trainer, report: SaturationReport | None, record: dict) -> None:
     """``growth/*`` metrics to every logger at the current step."""
     metrics = {
         "growth/depth": record.get("depth"),
@@ -90,12 +91,11 @@ def log_check(trainer: Trainer, report: SaturationReport | None, record: dict, l
                         "growth/error_bound": report.error_bound, "growth/margin": report.margin,
                         "growth/lower": record.get("lower"), "growth/reference": report.reference,
                         "growth/ratio": report.ratio})  # fmt: skip
-        if log_sites:
-            for r in report.sites:
-                for key in ("grad_norm", "projected", "ag", "lower"):
-                    value = getattr(r, key)
-                    if value is not None:
-                        metrics[f"growth/{r.name}/{key}"] = value
+        for r in report.sites:
+            for key in ("grad_norm", "projected", "ag", "lower"):
+                value = getattr(r, key)
+                if value is not None:
+                    metrics[f"growth/{r.name}/{key}"] = value
     metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)
@@ -232,11 +232,9 @@ def final_metrics(history: list[dict], callback_metrics: dict, global_step: int,
                   keys: tuple[str, ...] = SUMMARY_KEYS) -> tuple[dict[str, float], str | None]:  # fmt: skip
     """The numbers the end-of-fit summary calls final, and what they were measured on.
 
-    If the fit ended at the check that restored a network (no optimizer step since), they are
-    that network's metrics as ``remeasure.py`` measured them (a train metric it cannot re-measure
-    stays out rather than show the removed network's); otherwise the trainer's last callback
-    metrics, which training after the restore (a final anneal, ``on_saturated="continue"``)
-    has refreshed."""
+    The trainer's last callback metrics; for a history of an earlier version whose last check
+    restored a network (``restore_best``, removed) with no optimizer step since, the metrics that
+    version measured on the restored network."""
     last = history[-1] if history else {}
     restored = last.get("restored") or {}
     if restored.get("metrics") is not None and last.get("step") == global_step:
@@ -245,3 +243,20 @@ def final_metrics(history: list[dict], callback_metrics: dict, global_step: int,
                  f"(depth {restored.get('depth')}, eval mode)")  # fmt: skip
         return metrics, where
     return {k: float(v) for k, v in callback_metrics.items() if k in keys}, None
+
+
+def fit_end_summary(cb: Any, trainer: Any, *, no_check: str | None, history_path: str, written: bool,
+                    fit_seconds: float) -> Any:  # fmt: skip
+    """The end-of-fit summary of a ``GrowUntilSaturated`` (a rich renderable, telemetry.fit_summary):
+    what it did, the final numbers and what they were measured on, where its files are, and how the
+    epochs split between growing and the final phase."""
+    metrics, measured_on = final_metrics(cb.history, trainer.callback_metrics, trainer.global_step)
+    return fit_summary(
+        cb.history, start_depth=cb.start_depth, final_depth=cb._depth(cb._network), finished=cb.finished,
+        stop_reason=cb.stop_reason, metrics=metrics,
+        probe_seconds=cb.probe_seconds + cb._decider.seconds,
+        fit_seconds=fit_seconds, no_check=no_check, measured_on=measured_on,
+        outputs=guidance.output_lines(trainer, history_path=history_path, history_written=written),
+        phases=guidance.phase_line(growth_epochs=cb.growth_epochs, final_epochs=cb.final_epochs, anneal_epochs=cb.anneal_epochs,
+                          on_saturated=cb.on_saturated, epochs=trainer.current_epoch, schedule=cb.schedule),
+    )  # fmt: skip

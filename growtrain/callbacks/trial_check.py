@@ -2,13 +2,13 @@
 
 A collaborator with its own state, not a mixin: the callback hands it the trainer, the module,
 the network and the check's first-order report, and gets back a verdict (``growtrain.trial``
-decides). Per check it tries up to ``trial_sites`` sites — the best first-order site of each
+decides). Per check it tries up to ``TRIAL_SITES`` (3) sites — the best first-order site of each
 stage, best first — and for each: a fresh zero-output block goes in, is trained alone for
 ``trial_epochs`` of the training loader's batches (Adam, cosine to 0), and each held-out
 sample's loss is compared with its loss before; then the block is taken out again, so the network
 is bit-for-bit what it was (the other parameters were frozen, every other module in eval mode,
 the trial's optimizer is its own). Held-out samples: the probe, plus the first
-``trial_holdout`` training samples of the trial's pass over the training loader, which the trial
+``DEFAULT_TRIAL_HOLDOUT`` (20,000) training samples of the trial's pass over the training loader, which the trial
 does not train on (at most 40 % of an epoch; docs/decision.md says why and what they add).
 
 Under DDP every rank trains the same block (its gradients are averaged) and rank 0's verdict is
@@ -48,6 +48,17 @@ def trial_candidates(report: Any, limit: int) -> list[str]:
 
 class BlockTrials:
     """Runs one check's trials; keeps the seconds spent and the number of trials (checkpointed)."""
+
+    key = "trial"  # the check record's entry (history[i]["trial"])
+
+    def judge(self, inputs: Any) -> tuple[Any, list[str], dict]:
+        """The decision's interface (``rule_check.FirstOrderRule``): trials at the best first-order
+        site of each stage → the verdict, the site to grow at, and the record's ``trial`` entry."""
+        verdict, trials = self.run(inputs.trainer, inputs.pl_module, inputs.network, inputs.report, inputs.probe,
+                                   inputs.loss_fn, inputs.level)  # fmt: skip
+        entry = {"saturated": verdict.saturated, "certified": verdict.certified, "site": verdict.site,
+                 "lower_frac": verdict.score, "min_gain": verdict.margin, "reason": verdict.reason, "trials": trials}
+        return verdict, [verdict.site] if verdict.site else [], entry
 
     def __init__(self, *, epochs: float, lr: float, holdout: int, sites: int, min_gain: float, seed: int):
         self.epochs, self.lr, self.holdout, self.sites = epochs, lr, holdout, sites

@@ -8,23 +8,70 @@ a resumed fit compares with the same reference.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
+from growtrain.callbacks.probe_data import Converted, Fingerprinted, ProbeView, per_sample_losses
 from growtrain.decision import Verdict
 from growtrain.gain import signature_mismatch
+from growtrain.saturation_report import best_scored_site
 from growtrain.window import window_prune, window_reference, window_test, window_verdict
 
-__all__ = ["WindowRule"]
+__all__ = ["WindowRule", "probe_losses"]
+
+
+def probe_losses(trainer: Any, pl_module: Any, network: Any, probe: Any, loss_fn: Any, pass_losses: list | None,
+                 pass_probe: Fingerprinted | None) -> tuple[torch.Tensor, torch.Tensor, float]:  # fmt: skip
+    """The probe's per-sample losses now (on the host), their samples' fingerprints and the seconds
+    an extra pass took (0 without one).
+
+    On one process they come from the probe pass's own forward (``pass_losses``, ``pass_probe``:
+    the ghosts output zero). Under DDP every rank scores the whole probe (``probe``, not its shard)
+    in one extra forward pass and takes rank 0's vector, so the stored losses and the decision are
+    the same on every rank and after a resume."""
+    seconds = 0.0
+    if pass_losses and pass_probe is not None:  # one process: the pass's own forward
+        losses = torch.cat(pass_losses).cpu()  # one device-to-host copy per check
+        signatures = pass_probe.signatures
+    else:
+        start = time.perf_counter()
+        device = next(network.parameters()).device
+        fingerprinted = Fingerprinted(probe)
+        losses = per_sample_losses(ProbeView(pl_module, network), Converted(fingerprinted, trainer), loss_fn, device)
+        signatures = fingerprinted.signatures
+        if trainer.world_size > 1:  # one decision on every rank, even if a GPU kernel is not bit-reproducible
+            losses = trainer.strategy.broadcast(losses, src=0)
+            signatures = trainer.strategy.broadcast(signatures, src=0)
+        seconds = time.perf_counter() - start
+    if signatures is None or signatures.numel() != losses.numel():
+        raise RuntimeError(f"probe: {losses.numel()} per-sample losses but fingerprints of "
+                           f"{None if signatures is None else signatures.numel()} samples; the probe pass was cut short")
+    return losses.cpu(), signatures.cpu(), seconds
 
 
 class WindowRule:
     """The kept per-sample probe losses of the periodic schedule's checks, and their verdict."""
 
+    key = "window"  # the check record's entry (history[i]["window"])
+
     def __init__(self, *, window: int, min_gain: float, seed: int = 0):
         self.window, self.min_gain, self.seed = int(window), float(min_gain), int(seed)
         self.entries: list[dict] = []  # {"epoch", "losses", "signature"}: lists of floats (plain, for the checkpoint)
+        self.seconds = 0.0  # wall time of extra probe passes (under DDP), this process
+
+    def judge(self, inputs: Any) -> tuple[Verdict, list[str], dict]:
+        """The decision's interface (``rule_check.FirstOrderRule``): the probe's per-sample losses now
+        against the window's reference → the verdict, the best first-order site while growth goes
+        on, and the record's ``window`` entry."""
+        losses, signatures, seconds = probe_losses(inputs.trainer, inputs.pl_module, inputs.network, inputs.probe,
+                                                   inputs.loss_fn, inputs.pass_losses, inputs.pass_probe)  # fmt: skip
+        self.seconds += seconds
+        verdict, entry = self.decide(losses, signatures, epoch=inputs.trainer.current_epoch, level=inputs.level,
+                                     check=inputs.check)  # fmt: skip
+        best = None if verdict.saturated else best_scored_site(inputs.report)
+        return verdict, [best] if best else [], entry
 
     def decide(self, losses: torch.Tensor, signatures: torch.Tensor, *, epoch: int, level: float,
                check: int) -> tuple[Verdict, dict]:  # fmt: skip

@@ -62,8 +62,8 @@ __all__ = ["MeasureResult", "run_measure", "site_dims", "QUESTION", "fit_verdict
 
 QUESTION = ("Question answered: the first-order value of one new zero-output block at each site of this network as "
             "it is (the probe gradient of its last map, before any training): not what a new block is worth once "
-            "trained (the growth callback's trial, decision='trial'), nor what the last block realized "
-            "(decision='gain').")
+            "trained (the growth callback's trial, decision='trial'), nor how far the growing run's loss fell over "
+            "a window of epochs (decision='window').")
 
 
 def _growth_state(checkpoint: dict | None) -> dict | None:
@@ -79,14 +79,24 @@ def fit_verdict(checkpoint: dict | None) -> dict | None:
         return None
     history = state.get("history") or []
     last = history[-1] if history else {}
-    decided_by = "trial" if last.get("trial") else "gain" if last.get("gain") else last.get("rule")
+    decided_by = ("trial" if last.get("trial") else "window" if last.get("window")
+                  else "gain" if last.get("gain") else last.get("rule"))  # "gain": a checkpoint of an earlier version
     return {"finished": state.get("finished"), "stop_reason": state.get("stop_reason"), "checks": len(history),
             "decided_by": decided_by}  # fmt: skip
 
 
 _DECIDED_BY = {
     "trial": "block-only trials (decision='trial'): what a new block lowers the held-out loss by once trained",
-    "gain": "the realized gain of the last stage (decision='gain'): what the last block lowered the probe loss by",
+    "window": "the window rule (decision='window'): how far the growing run's probe loss fell over its last window "
+              "of epochs",
+    "gain": "the realized gain of the last stage (decision='gain', removed since): what the last block lowered the "
+            "probe loss by",
+}
+# what the fit could not certify, per decision (the second half of relation_to_fit's answer)
+_NOT_CERTIFIED = {
+    "trial": "that a trained block lowers the loss by more than min_gain",
+    "window": "that training on while growing lowers the loss by more than min_gain over a window",
+    "gain": "that the last block lowered the loss by more than min_gain",
 }
 
 
@@ -107,8 +117,8 @@ def relation_to_fit(fit: dict | None, report: SaturationReport) -> str | None:
         return text + "This report agrees: no site's first-order value is certified."
     if fit["decided_by"] in _DECIDED_BY:
         return text + (f"This report says grow at {report.best_site}: the loss of a new block there certifiably falls "
-                       "when its last map leaves zero, which says nothing about how far. The fit could not certify that "
-                       "a trained block lowers the loss by more than min_gain: the two do not contradict each other.")  # fmt: skip
+                       "when its last map leaves zero, which says nothing about how far. The fit could not certify "
+                       f"{_NOT_CERTIFIED[fit['decided_by']]}: the two do not contradict each other.")  # fmt: skip
     return text + (f"This report says grow at {report.best_site}: the same question asked of this checkpoint's "
                    "network (after any undo or anneal) with this probe and seed, where the fit's last check saw "
                    "another state.")

@@ -47,10 +47,8 @@ __all__ = ["StoppingResult", "run_stopping", "smallest_good_depth", "stopped_by"
 
 # GrowUntilSaturated options that change only the growth decision, not a scratch run (a scratch run
 # never grows, so what happens to the learning rate around a growth, lr_schedule, does not touch it).
-DECISION_OPTIONS = ("rule", "tau", "alpha", "delta", "t", "alpha_spending", "top_k", "max_growths", "max_blocks",
-                    "max_params", "calibrate", "projected", "seed", "log_sites", "probe_budget",
-                    "lr_schedule", "min_gain", "restore_best", "trial_growth", "decision", "trial_epochs",
-                    "trial_lr", "trial_holdout", "trial_sites")  # fmt: skip
+DECISION_OPTIONS = ("rule", "alpha", "delta", "t", "max_growths", "max_params", "seed", "lr_schedule", "min_gain",
+                    "decision", "trial_epochs")  # fmt: skip
 
 
 def smallest_good_depth(by_depth: dict[int, list[float]]) -> tuple[int, int]:
