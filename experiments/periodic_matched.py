@@ -100,7 +100,7 @@ def main() -> None:
                    f"--trainer.max_epochs={epochs}", f"--model.init_args.blocks=[{','.join(map(str, sizes))}]",
                    f"{cb}.max_growths=0", f"{cb}.every_n_epochs=1000", f"{cb}.window=1000", *overrides]  # fmt: skip
             print(" ".join(cmd), flush=True)
-            with open(out / f"{name}_seed{seed}.log", "a") as log:
+            with open(out / f"{name}.log", "a") as log:
                 subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
                                env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
 

@@ -313,7 +313,8 @@ def plot_stopping(summary: dict, growth_rows: Sequence[dict], path: str | Path |
     """Left: the scratch sweep's test loss against depth (mean ± sd), ``d*`` and each growth
     seed's found depth marked (AutoGrow's Figure 5 style). Right: with ``min_gain``, every growth
     seed's certified gain at each check, with ``min_gain`` (``decision="trial"``: the best tried
-    block's lower bound; ``"gain"``: the last block's); else the relative rule's ratio (best
+    block's lower bound; ``"window"``: the window's; ``"gain"``, in rows of earlier versions: the
+    last block's); else the relative rule's ratio (best
     certified lower bound / R) of the first growth run, with τ. A growth run that found no depth
     (its fit ended before growth did) is drawn hollow."""
     fig = _figure((10.0, 4.0))
@@ -348,8 +349,14 @@ def plot_stopping(summary: dict, growth_rows: Sequence[dict], path: str | Path |
         left.text(0.5, 0.5, "no rows yet", transform=left.transAxes, ha="center", va="center", color="0.5")
     gains = [[h for h in g.get("history", []) if (h.get("verdicts") or {}).get("gain")] for g in growth_rows]
     trials = [[h for h in g.get("history", []) if (h.get("verdicts") or {}).get("trial")] for g in growth_rows]
+    # a window verdict with a bound: its window was full (before that every check grows)
+    windows = [[h for h in g.get("history", []) if ((h.get("verdicts") or {}).get("window") or {}).get("lower_frac")
+                is not None] for g in growth_rows]  # fmt: skip
     if any(trials):
         _plot_trials(right, growth_rows, trials)
+    elif any(windows):
+        _plot_trials(right, growth_rows, windows, key="window",
+                     ylabel="the window's certified gain / loss at its start")  # fmt: skip
     elif any(gains):
         _plot_gains(right, growth_rows, gains)
     elif growth_rows:
@@ -390,15 +397,17 @@ def _plot_gains(ax, growth_rows: Sequence[dict], gains: Sequence[Sequence[dict]]
     ax.legend(fontsize=8)
 
 
-def _plot_trials(ax, growth_rows: Sequence[dict], trials: Sequence[Sequence[dict]]) -> None:
+def _plot_trials(ax, growth_rows: Sequence[dict], trials: Sequence[Sequence[dict]], key: str = "trial",
+                 ylabel: str = "best tried block: certified gain / loss") -> None:  # fmt: skip
     """decision="trial": each growth seed's best tried block's certified held-out gain (lower
-    bound, fraction of the loss) against the blocks at the check, with ``min_gain``."""
+    bound, fraction of the loss) against the blocks at the check, with ``min_gain``;
+    ``key="window"``: the window's certified gain over its last ``window`` epochs, likewise."""
     from matplotlib.ticker import MaxNLocator
 
     min_gain = None
     for i, (g, hist) in enumerate(zip(growth_rows, trials)):
         if hist:
-            verdicts = [h["verdicts"]["trial"] for h in hist]
+            verdicts = [h["verdicts"][key] for h in hist]
             ax.plot([h["depth_before"] for h in hist], [v["lower_frac"] for v in verdicts], "o-", color=f"C{i}",
                     label=f"seed {g['seed']}")  # fmt: skip
             min_gain = verdicts[0]["min_gain"]
@@ -406,5 +415,5 @@ def _plot_trials(ax, growth_rows: Sequence[dict], trials: Sequence[Sequence[dict
         ax.axhline(min_gain, color="C3", ls=":", label=f"min_gain = {min_gain:.2g}")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("blocks at the check")
-    ax.set_ylabel("best tried block: certified gain / loss")
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)

@@ -296,3 +296,24 @@ def test_a_stage_anneal_is_not_counted_as_the_final_phase():
     assert grow.final_epochs == 0 and grow.growth_epochs is None
     grow._anneal.kind = "final"
     assert grow.final_epochs == 2
+
+
+def test_the_stopping_figure_draws_each_windows_certified_gain_against_min_gain():
+    """plot_stopping's right panel for decision='window': every full window's lower bound (as a
+    fraction of the loss) at the blocks of its check, per seed, and the min_gain line."""
+    from growtrain.plots import plot_stopping
+
+    def check(depth, lower):
+        window = None if lower is None else {"lower_frac": lower, "min_gain": 0.01}
+        return {"depth_before": depth, "verdicts": {"window": window or {"reason": "window not full"}}}
+
+    rows = [{"seed": 0, "depth": 5, "test_loss": 0.3, "stopped": True,
+             "history": [check(3, None), check(4, 0.2), check(5, 0.004)]},
+            {"seed": 1, "depth": 4, "test_loss": 0.31, "stopped": True, "history": [check(3, 0.1), check(4, -0.01)]}]
+    fig = plot_stopping({"by_depth": {}}, rows)
+    right = fig.axes[1]
+    lines = {line.get_label(): line for line in right.get_lines()}
+    assert list(lines["seed 0"].get_xdata()) == [4, 5] and list(lines["seed 0"].get_ydata()) == [0.2, 0.004]
+    assert list(lines["seed 1"].get_ydata()) == [0.1, -0.01]
+    assert list(lines["min_gain = 0.01"].get_ydata()) == [0.01, 0.01]
+    assert "window" in right.get_ylabel()
