@@ -8,6 +8,10 @@ cp runs/periodic_full/split0/runs.jsonl $d/growth.jsonl
 [ -f runs/periodic_full/split1/runs.jsonl ] && cp runs/periodic_full/split1/runs.jsonl $d/growth_split1.jsonl
 [ -f runs/periodic_full25/split0/runs.jsonl ] && cp runs/periodic_full25/split0/runs.jsonl $d/growth_25pct.jsonl
 [ -f runs/periodic_full_sp/split0/runs.jsonl ] && cp runs/periodic_full_sp/split0/runs.jsonl $d/growth_shrink_perturb.jsonl
+# the study's variants: a 10-epoch final anneal, a check every epoch (K = 1) or every third (K = 3)
+[ -f runs/periodic_full_a10/split0/runs.jsonl ] && cp runs/periodic_full_a10/split0/runs.jsonl $d/growth_anneal10.jsonl
+[ -f runs/periodic_full_k1/split0/runs.jsonl ] && cp runs/periodic_full_k1/split0/runs.jsonl $d/growth_k1.jsonl
+[ -f runs/periodic_full_k3/split0/runs.jsonl ] && cp runs/periodic_full_k3/split0/runs.jsonl $d/growth_k3.jsonl
 cp runs/periodic_full/split0/matched/plan.jsonl $d/matched/plan.jsonl
 for arm in runs/periodic_full/split0/matched/*/; do
   [ -f $arm/runs.jsonl ] && mkdir -p $d/matched/$(basename $arm) && cp $arm/runs.jsonl $d/matched/$(basename $arm)/runs.jsonl

@@ -107,6 +107,20 @@ def with_checks(row: dict, probe_size: int) -> float:
     return growth_flops(row, probe_size)
 
 
+# two-sided 95 % Student t quantiles by degrees of freedom (n - 1 paired seeds)
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}
+
+
+def paired_interval(arm: str, deltas: list[float]) -> str:
+    """Growth − scratch, paired by seed: the mean with its 95 % t interval (none from one seed)."""
+    mean = statistics.mean(deltas)
+    if len(deltas) < 2:
+        return f"growth − scratch ({arm}), 1 seed: {mean:+.4f} (no interval from one seed)"
+    half = _T95[len(deltas) - 1] * statistics.stdev(deltas) / len(deltas) ** 0.5
+    return (f"growth − scratch ({arm}), paired over {len(deltas)} seeds: mean {mean:+.4f}, 95 % interval "
+            f"[{mean - half:+.4f}, {mean + half:+.4f}]")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--probe_size", type=int, default=2000)
@@ -151,13 +165,18 @@ def main() -> None:
         print("\n| seed | growth (blocks, test loss, GFLOP incl. checks) | scratch arm | blocks | epochs | GFLOP | "
               "test loss | growth − scratch |")
         print("|---|---|---|---|---|---|---|---|")
+        deltas: dict[str, list[float]] = {}
         for m in sorted(matched, key=lambda r: (r["seed"], r["arm"])):
-            g = next((r for r in growth if r["seed"] == m["seed"] and r.get("tag") == m.get("growth_tag", r["tag"])), None)
+            # the arms were planned from the main split's rows (file growth.jsonl, tag "growth")
+            g = next((r for r in growth if r["seed"] == m["seed"] and r["tag"] == m.get("growth_tag", "growth")), None)
             if g is None:
                 continue
+            deltas.setdefault(m["arm"], []).append(g["test_loss"] - m["test_loss"])
             print(f"| {m['seed']} | {g['blocks']}, {g['test_loss']:.4f}, {m['budget_flops'] / 1e9:,.0f} | {m['arm']} | "
                   f"{m['arm_blocks']} | {m['epochs']} | {m['flops'] / 1e9:,.0f} | {m['test_loss']:.4f} | "
                   f"{g['test_loss'] - m['test_loss']:+.4f} |")
+        for arm, ds in sorted(deltas.items()):
+            print("\n" + paired_interval(arm, ds))
     if converged:
         print("\nConverged protocol (same split, seeds): " + "; ".join(
             f"seed {r['seed']}: {r['blocks']} blocks, {r['test_loss']:.4f}, {r['flops'] / 1e9:,.0f} GFLOP"

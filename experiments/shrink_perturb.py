@@ -23,7 +23,7 @@ class ShrinkPerturbAtFinal(Callback):
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         grow = next((c for c in trainer.callbacks if type(c).__name__ == "GrowUntilSaturated"), None)
-        if self.applied_at is not None or grow is None or grow.anneal_kind != "final" or grow.anneal_done != 0:
+        if self.applied_at is not None or grow is None or grow._anneal.kind != "final" or grow._anneal.done != 0:
             return
         generator = torch.Generator().manual_seed(self.seed)
         with torch.no_grad():

@@ -262,16 +262,16 @@ def _config_files(argv: Any) -> list[str]:
 
 
 def _removed_options(argv: Any) -> str | None:
-    """The message for ``GrowUntilSaturated`` options removed in an earlier release, given on the
-    command line (``--trainer.callbacks[.init_args].NAME``) or under the callback's ``init_args`` in
-    a ``--config`` file; ``None`` when there are none."""
+    """The message for ``GrowUntilSaturated`` options removed in an earlier release, given under the
+    callback's ``init_args`` in a ``--config`` file or on the command line; ``None`` when there are none.
+
+    A ``--trainer.callbacks[.init_args].NAME`` flag belongs to the last callback given before it (as
+    LightningCLI reads it): the last one of the config files' ``trainer.callbacks``, then each
+    ``--trainer.callbacks+=CLASS`` in order. Only the growth callback's are checked, so another
+    callback's own ``min_delta`` (``EarlyStopping``'s) is left to it."""
     from growtrain.callbacks.growth_config import REMOVED, removed_message
 
-    names = []
-    for arg in argv if isinstance(argv, (list, tuple)) else []:
-        key = str(arg).split("=", 1)[0]
-        if key.startswith("--trainer.callbacks.") and key.rsplit(".", 1)[-1] in REMOVED:
-            names.append(key.rsplit(".", 1)[-1])
+    names, last = [], None
     for path in _config_files(argv):
         try:
             with open(path) as f:
@@ -279,9 +279,22 @@ def _removed_options(argv: Any) -> str | None:
         except (OSError, yaml.YAMLError):  # the parser reports a missing or broken file itself
             continue
         callbacks = ((config or {}).get("trainer") or {}).get("callbacks") if isinstance(config, dict) else None
-        for cb in callbacks if isinstance(callbacks, list) else [callbacks] if isinstance(callbacks, dict) else []:
-            if isinstance(cb, dict) and str(cb.get("class_path", "")).endswith("GrowUntilSaturated"):
-                names += [k for k in (cb.get("init_args") or {}) if k in REMOVED]
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks] if isinstance(callbacks, dict) else []
+        for cb in callbacks:
+            if isinstance(cb, dict):
+                last = str(cb.get("class_path", ""))
+                if last.endswith("GrowUntilSaturated"):
+                    names += [k for k in (cb.get("init_args") or {}) if k in REMOVED]
+    args = [str(a) for a in argv] if isinstance(argv, (list, tuple)) else []
+    for i, arg in enumerate(args):
+        key, given, value = arg.partition("=")
+        if not given and i + 1 < len(args):  # "--flag value"
+            value = args[i + 1]
+        if key in ("--trainer.callbacks+", "--trainer.callbacks.class_path"):
+            last = value
+        elif key.startswith("--trainer.callbacks.") and key.rsplit(".", 1)[-1] in REMOVED:
+            if last is None or last.endswith("GrowUntilSaturated"):
+                names.append(key.rsplit(".", 1)[-1])
     return removed_message(dict.fromkeys(names))
 
 

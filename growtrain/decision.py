@@ -53,12 +53,12 @@ __all__ = [
 
 Rule = Literal["paper", "crossfit", "relative"]
 RULES: tuple[str, ...] = ("paper", "crossfit", "relative")
-# The decision entry points' default: the first check asks for certified first-order gain
-# (δ = 0); after a growth the realized gain decides (DEFAULT_MIN_GAIN). The relative rule did
+# The decision entry points' default: a certified first-order gain (δ = 0); in the callback the
+# rule ranks the sites and min_gain decides (a trial, the periodic window). The relative rule did
 # not track depth on real data (docs/decision.md) and stays available and reported.
 DEFAULT_RULE: Rule = "crossfit"
-# min_gain: grow again only if the last block lowered the held-out probe loss by a certified
-# more than this fraction of it (docs/decision.md, results.md "Stop where depth stops paying").
+# min_gain: grow only where a tried block (or the periodic window) lowers the held-out loss by a
+# certified more than this fraction of it (docs/decision.md, results.md "Stop where depth stops paying").
 DEFAULT_MIN_GAIN = 0.01
 # τ: the relative rule's threshold (a fraction of the existing blocks' RMS first-order value).
 # Set a priori; on real data the ratio did not fall with depth (docs/decision.md).

@@ -239,7 +239,7 @@ def rank_sites(report: SaturationReport, top_k: int) -> list[str]:
 
 
 def best_scored_site(report: SaturationReport) -> str | None:
-    """The site a growth judged by its realized gain takes: the largest certified lower bound
+    """The site the window decision grows at: the largest certified lower bound
     (cross-fit and relative rules) or the largest ``‖ĝ‖`` (paper's rule), whatever the verdict."""
     if not report.sites:
         return None

@@ -154,3 +154,19 @@ def test_current_options_pass_that_check():
     assert _removed_options(tiny_fit_args(Path("run"), "--trainer.callbacks.init_args.min_rel_delta=0.02",
                                           "--trainer.callbacks.trial_epochs=0.5")) is None  # fmt: skip
     assert _removed_options(["fit", "--trainer.callbacks.init_args.patience=3", "--model.init_args.top_k=2"]) is None
+
+
+def test_another_callbacks_option_of_a_removed_name_is_left_to_that_callback(tmp_path):
+    """EarlyStopping's own min_delta (a removed name of the growth callback's) after
+    ``--trainer.callbacks+=EarlyStopping`` belongs to that callback: not refused; one given after
+    ``+=GrowUntilSaturated`` again is, and so is one under a config whose last callback is the grower."""
+    from growtrain.cli import _removed_options
+
+    other = ["--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping", "--trainer.callbacks.monitor=val_loss",
+             "--trainer.callbacks.min_delta=0.005"]  # fmt: skip
+    assert _removed_options(["fit", *tiny_fit_args(Path("run"))[1:], *other]) is None
+    assert _removed_options(["fit", "--trainer.callbacks+", "lightning.pytorch.callbacks.EarlyStopping",
+                             "--trainer.callbacks.min_delta", "0.1"]) is None  # the space-separated form
+    back = [*other, "--trainer.callbacks+=growtrain.callbacks.GrowUntilSaturated", "--trainer.callbacks.min_delta=0.1"]
+    assert "min_delta" in _removed_options(["fit", *back])
+    assert "min_delta" in _removed_options(tiny_fit_args(Path("run"), "--trainer.callbacks.init_args.min_delta=0.1"))

@@ -102,7 +102,8 @@ class GrowUntilSaturated(Callback):
         anneal_epochs: the final anneal's length (and a converged stage's).
         lr_schedule: after a growth the schedulers ``"continue"`` or ``"restart"``; ``"anneal"``:
             the callback drives the rate (constant per stage, annealed before each check).
-        seed: candidate blocks of check ``k`` come from ``seed·1000 + k``; trial blocks likewise.
+        seed: candidate blocks of check ``k`` come from ``seed·1000 + k``; trial blocks from
+            ``seed·100003 + k`` for the ``k``-th trial.
         verbose: one table per check and a summary at the end of the fit (rank 0).
 
     Attributes:
@@ -144,7 +145,8 @@ class GrowUntilSaturated(Callback):
         if removed:  # an option of an earlier version: name it and its replacement, before any state
             unknown = sorted(set(removed) - set(REMOVED))  # a misspelling beside a removed option is named too
             raise TypeError(" ".join(filter(None, [removed_message(removed), unknown and (
-                f"GrowUntilSaturated: unexpected option(s) {unknown}; the options are {GrowthConfig.names()}.")])))
+                f"GrowUntilSaturated: unexpected option(s) {unknown}; the options are {GrowthConfig.names()}. "
+                "Fix: check the spelling against that list.")])))
         options = dict(locals())
         for name in ("self", "__class__", "removed"):
             options.pop(name, None)
@@ -269,7 +271,8 @@ class GrowUntilSaturated(Callback):
                     pl_module, optimizer, trainer.strategy.lr_scheduler_configs
                 )
             self.restart_pending = False
-        self._anneal.set_lr(trainer, editor.optimizer_for(trainer, self._network))
+        if self._anneal.active:
+            self._anneal.set_lr(trainer, editor.optimizer_for(trainer, self._network))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip

@@ -7,30 +7,15 @@ A collaborator of ``GrowUntilSaturated`` (the converged schedule's input), with 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader
 
 from growtrain import decision as dec
-from growtrain.callbacks.probe_data import loaders_of
 
-__all__ = ["StageMonitor", "samples_per_epoch"]
-
-
-def samples_per_epoch(trainer: Trainer) -> int:
-    """Training samples of one epoch over all ranks: batches (after ``limit_train_batches``) × the
-    train loader's batch size × world size (a count, not a measurement)."""
-    batches = trainer.num_training_batches
-    loaders = trainer.train_dataloader
-    loader = loaders if isinstance(loaders, DataLoader) else next(iter(loaders_of(loaders)), None)
-    size = getattr(loader, "batch_size", None) or 1
-    if not isinstance(batches, (int, float)) or not math.isfinite(batches):
-        return 0
-    return int(batches) * int(size) * trainer.world_size
+__all__ = ["StageMonitor"]
 
 
 class StageMonitor:

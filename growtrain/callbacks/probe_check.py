@@ -33,7 +33,7 @@ __all__ = ["CheckInputs", "probe_loader", "check_probe_source", "check_probe_ind
 class CheckInputs:
     """What one check measured, handed to its decision (``judge``): the trainer and module, the
     network, the first-order report of the probe pass, the whole (unsharded) probe, the loss, the
-    test's level, the check's index and epoch, and the pass's own per-sample losses (one process)."""
+    test's level, the check's index, and the pass's own per-sample losses (one process)."""
 
     trainer: Any
     pl_module: Any
@@ -72,8 +72,9 @@ def check_probe_source(trainer: Any, source: Any, paired: bool) -> None:
                 "be trained on."
             )
         check_split_indices(dm)
+        loader = dm.probe_dataloader()  # built here, so an empty probe (probe_size=0) is refused at setup
         if paired:
-            refuse_random_probe(dm.probe_dataloader(), "datamodule.probe_dataloader()")
+            refuse_random_probe(loader, "datamodule.probe_dataloader()")
     elif isinstance(source, DataLoader) and paired:
         refuse_random_probe(source, "probe")
 

@@ -79,7 +79,8 @@ def check_model_parallel(trainer: Any, decision: str | None = None, given: bool 
         raise ValueError(
             f"decision: 'trial' ({'given' if given else 'the default'}) is not supported under FSDP2 "
             f"({type(strategy).__name__}) yet: a trial block would need its own sharding inside the frozen sharded "
-            "network. Fix: pass schedule='periodic' (its window decision runs under FSDP2), or decision='rule'."
+            "network. Fix: pass schedule='periodic' with decision='window' (its default there; the window runs under "
+            "FSDP2), or decision='rule'."
         )
 
 
