@@ -128,3 +128,65 @@ def test_the_rule_decision_is_the_reports_verdict_at_its_best_site(rule, options
     flipped = dataclasses.replace(report, sites=list(reversed(report.sites)))
     _, again, _ = FirstOrderRule().judge(CheckInputs(None, None, net, flipped, batches, F.cross_entropy, 0.05, 0))
     assert again == sites
+
+
+# -- CheckSchedule ---------------------------------------------------------------------------
+def _schedule(kind="converged", every=1, lr_schedule="continue", on_saturated="stop", anneal_epochs=2):
+    from growtrain.callbacks.schedule import CheckSchedule
+
+    return CheckSchedule(kind=kind, every_n_epochs=every, min_stage_epochs=2, lr_schedule=lr_schedule,
+                         on_saturated=on_saturated, monitor=StageMonitor("val_loss", "min", 1, 0.01),
+                         anneal=LrAnneal(anneal_epochs))  # fmt: skip
+
+
+def _run(schedule, losses, *, max_epochs=100, budget=None, optimizer=None):
+    """``epoch_end``'s answers over epochs 0, 1, ... with these validation losses."""
+    out = []
+    for epoch, loss in enumerate(losses):
+        trainer = SimpleNamespace(max_epochs=max_epochs, current_epoch=epoch, world_size=1,
+                                  callback_metrics={"val_loss": torch.tensor(loss)},
+                                  strategy=SimpleNamespace(lr_scheduler_configs=[]))  # fmt: skip
+        schedule.epoch_start(trainer, lambda: optimizer)
+        what = schedule.epoch_end(trainer, finished=None, budget=lambda: budget, optimizer=lambda: optimizer)
+        if what in ("check", "check_annealed"):
+            schedule.checked()
+        out.append(what)
+    return out
+
+
+def test_the_periodic_schedule_checks_every_k_epochs_whatever_the_loss():
+    # a falling loss (no plateau) and a flat one: the periodic schedule does not read the monitor
+    assert _run(_schedule("periodic", every=2), [1.0, 0.5, 0.25, 0.1, 0.05, 0.01]) == [None, "check"] * 3
+    assert _run(_schedule("periodic", every=3), [1.0] * 6) == [None, None, "check"] * 2
+
+
+def test_the_converged_schedule_waits_for_a_plateau_and_a_long_enough_stage():
+    # patience 1: 0.995 is no 1 % improvement on 1.0 → a plateau at epoch 1 (the stage is 2 epochs long)
+    assert _run(_schedule(), [1.0, 0.995, 0.5, 0.498]) == [None, "check", None, "check"]
+    schedule = _schedule()
+    _run(schedule, [1.0, 0.995])
+    schedule.new_stage()  # after a growth: the stage starts again, its plateau too
+    assert schedule.stage_epochs == 0 and schedule.monitor.best is None
+
+
+def test_with_the_anneal_protocol_a_plateau_starts_a_stage_anneal_and_the_check_comes_annealed():
+    w = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([w], lr=0.1)
+    schedule = _schedule(lr_schedule="anneal", anneal_epochs=2)
+    # epoch 1 plateaus → the anneal starts (no check yet), epochs 2-3 anneal, the check at the end of epoch 3
+    assert _run(schedule, [1.0, 0.995, 0.99, 0.99], optimizer=optimizer) == [None, None, None, "check_annealed"]
+    assert optimizer.param_groups[0]["lr"] == 0.1 and not schedule.anneal.active  # the rate is back for the new stage
+    # a budget already ends growth: no stage anneal, the check comes at once (the final anneal follows it)
+    assert _run(_schedule(lr_schedule="anneal"), [1.0, 0.995], budget="max_growths", optimizer=optimizer)[-1] == "check"
+
+
+def test_the_final_anneal_is_reserved_inside_max_epochs_and_ends_the_fit():
+    # max_epochs 6, a final anneal of 2: after epoch 3 only 2 are left, so that epoch's end is a (budget) check
+    schedule = _schedule("periodic", every=10, on_saturated="anneal", anneal_epochs=2)
+    assert _run(schedule, [1.0, 0.9, 0.8, 0.7], max_epochs=6) == [None, None, None, "check"]
+    w = nn.Parameter(torch.zeros(1))
+    assert schedule.anneal.start(torch.optim.SGD([w], lr=0.1), "final")  # growth ended: the callback starts it
+    trainer = SimpleNamespace(max_epochs=6, current_epoch=4, world_size=1, callback_metrics={},
+                              strategy=SimpleNamespace(lr_scheduler_configs=[]))  # fmt: skip
+    ends = [schedule.epoch_end(trainer, finished="budget", budget=lambda: None, optimizer=lambda: None) for _ in (0, 1)]
+    assert ends == [None, "stop"]

@@ -36,6 +36,7 @@ from growtrain.callbacks.editor import FunctionChangedError
 from growtrain.callbacks.growth_config import REMOVED, GrowthConfig, removed_message
 from growtrain.callbacks.monitor import StageMonitor
 from growtrain.callbacks.probe_data import Converted, Fingerprinted, check_probe_setup, first_input
+from growtrain.callbacks.schedule import CheckSchedule
 from growtrain.callbacks.rule_check import FirstOrderRule
 from growtrain.callbacks.trial_check import BlockTrials
 from growtrain.callbacks.window_check import WindowRule
@@ -48,7 +49,7 @@ from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_HOLDOUT, DEFAULT
 __all__ = ["GrowUntilSaturated", "FunctionChangedError"]
 
 # Counters kept in the checkpoint (the same keys as earlier versions, so their checkpoints resume).
-_STATE_INTS = ("checks", "growths", "inserted", "epochs_since_check", "stage_epochs")
+_STATE_INTS = ("checks", "growths", "inserted")
 
 
 class GrowUntilSaturated(Callback):
@@ -156,8 +157,12 @@ class GrowUntilSaturated(Callback):
         self._network: nn.Module | None = None
         self._loss: Callable | None = None
         self._decision_given = decision is not None
+        # the schedule: when a check comes (its plateau and anneal parts kept here by name too)
         self._monitor = StageMonitor(self.monitor, self.mode, self.patience, self.min_rel_delta)
         self._anneal = LrAnneal(self.anneal_epochs)
+        self._schedule = CheckSchedule(
+            kind=self.schedule, every_n_epochs=self.every_n_epochs, min_stage_epochs=self.min_stage_epochs,
+            lr_schedule=self.lr_schedule, on_saturated=self.on_saturated, monitor=self._monitor, anneal=self._anneal)
         # the decision: one interface, judge(CheckInputs) → (verdict, sites, record entry)
         self._decider = {
             "trial": lambda: BlockTrials(epochs=self.trial_epochs, lr=DEFAULT_TRIAL_LR, holdout=DEFAULT_TRIAL_HOLDOUT,
@@ -172,7 +177,6 @@ class GrowUntilSaturated(Callback):
         self._pass_losses: list | None = None  # per-sample probe losses from the last pass (window)
         self._pass_probe: Fingerprinted | None = None  # the last pass's probe, with its sample fingerprints
         self._fit_start = 0.0
-        self._waiting: str | None = None  # why the last epoch end ran no check (should_check's reason)
 
     # -- checkpoint state ------------------------------------------------------------------
     def _reset_state(self) -> None:
@@ -180,20 +184,17 @@ class GrowUntilSaturated(Callback):
         self.checks = 0  # probe checks run (seeds candidate blocks)
         self.growths = 0  # checks that grew
         self.inserted = 0  # blocks inserted by this callback
-        self.epochs_since_check = 0
-        self.stage_epochs = 0  # epochs since the start or the last growth
         self.finished: str | None = None
         self.stop_reason: str | None = None
         self.restart_pending = False
         self.start_depth: int | None = None
-        self._monitor.load_state_dict({})
-        self._anneal.load_state_dict({})
+        self._schedule.load_state_dict({})
 
     def state_dict(self) -> dict[str, Any]:
         state = {k: getattr(self, k) for k in _STATE_INTS}
         state.update(history=self.history, finished=self.finished, stop_reason=self.stop_reason,
                      restart_pending=self.restart_pending, start_depth=self.start_depth,
-                     **self._monitor.state_dict(), **self._anneal.state_dict())  # fmt: skip
+                     **self._schedule.state_dict())  # fmt: skip
         state = telemetry.plain(state)
         if self._decider.key is not None:  # the decision's own state ("trials", "window": earlier versions' keys)
             state[self._state_key] = self._decider.state_dict()
@@ -211,8 +212,7 @@ class GrowUntilSaturated(Callback):
         self.finished, self.stop_reason = state_dict.get("finished"), state_dict.get("stop_reason")
         self.restart_pending = bool(state_dict.get("restart_pending", False))
         self.start_depth = state_dict.get("start_depth")
-        self._monitor.load_state_dict(state_dict)
-        self._anneal.load_state_dict(state_dict)
+        self._schedule.load_state_dict(state_dict)
         if self._decider.key is not None:
             self._decider.load_state_dict(state_dict.get(self._state_key, {}))
         if state_dict.get("gain_reference") is not None and self.finished is None:
@@ -263,7 +263,6 @@ class GrowUntilSaturated(Callback):
 
     # -- hooks: the schedule ---------------------------------------------------------------
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._monitor.epoch_start()
         if self.restart_pending:
             optimizer = editor.optimizer_for(trainer, self._network)
             if optimizer is not None:
@@ -271,47 +270,28 @@ class GrowUntilSaturated(Callback):
                     pl_module, optimizer, trainer.strategy.lr_scheduler_configs
                 )
             self.restart_pending = False
-        if self._anneal.active:
-            self._anneal.set_lr(trainer, editor.optimizer_for(trainer, self._network))
+        self._schedule.epoch_start(trainer, lambda: editor.optimizer_for(trainer, self._network))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
         self._monitor.batch_end(outputs)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        anneal = self._anneal
-        if anneal.active:
-            if not anneal.epoch_done():
-                self._waiting = f"the {anneal.kind} anneal: {anneal.done} of {anneal.epochs} epoch(s) done"
-            elif anneal.kind == "stage":  # the converged stage is annealed: back to the constant rate, check it
-                anneal.end(editor.optimizer_for(trainer, self._network))
-                self._check(trainer, pl_module, annealed=True)
-            else:
-                trainer.should_stop = True
-            return
-        if self.finished is not None:
-            return
-        self.epochs_since_check += 1
-        self.stage_epochs += 1
-        if self._final_reserved(trainer) is not None:  # no room for another stage: a budget check ends growth
-            self._check(trainer, pl_module)
-            return
-        monitor = self.monitor if self.schedule == "converged" else None  # periodic: every every_n_epochs
-        plateaued = self._monitor.plateaued(trainer) if monitor is not None else False
-        check, self._waiting = dec.should_check(
-            finished=self.finished, epochs_since_check=self.epochs_since_check, every_n_epochs=self.every_n_epochs,
-            monitor=monitor, plateaued=plateaued, min_stage_epochs=self.min_stage_epochs,
-            stage_epochs=self.stage_epochs,
-        )  # fmt: skip
-        if trainer.world_size > 1:
-            check = trainer.strategy.reduce_boolean_decision(check, all=False)
-        if not check:
-            return
-        # lr_schedule="anneal": anneal the converged stage first (unless a budget already ends
-        # growth: then the final anneal follows the check, the same single anneal)
-        annealing = self.lr_schedule == "anneal" and self._budget_reason(trainer) is None
-        if not (annealing and anneal.start(editor.optimizer_for(trainer, self._network), "stage")):
-            self._check(trainer, pl_module)
+        what = self._schedule.epoch_end(trainer, finished=self.finished, budget=lambda: self._budget_reason(trainer),
+                                        optimizer=lambda: editor.optimizer_for(trainer, self._network))  # fmt: skip
+        if what == "stop":  # the final anneal has run its course
+            trainer.should_stop = True
+        elif what is not None:
+            self._check(trainer, pl_module, annealed=what == "check_annealed")
+
+    @property
+    def epochs_since_check(self) -> int:
+        return self._schedule.epochs_since_check
+
+    @property
+    def stage_epochs(self) -> int:
+        """Epochs since the start or the last growth."""
+        return self._schedule.stage_epochs
 
     def _budget_reason(self, trainer: Trainer | None = None) -> str | None:
         network = self._network
@@ -336,7 +316,7 @@ class GrowUntilSaturated(Callback):
                 monitor=self.monitor, best=self._monitor.best, wait=self._monitor.wait, patience=self.patience,
                 mode=self.mode, min_rel_delta=self.min_rel_delta, min_stage_epochs=self.min_stage_epochs,
                 stage_epochs=self.stage_epochs, every_n_epochs=self.every_n_epochs, epochs=trainer.current_epoch,
-                waiting=self._waiting,
+                waiting=self._schedule.waiting,
             )  # fmt: skip
             rank_zero_warn(no_check, category=UserWarning)
         if not (self.verbose and trainer.is_global_zero):
@@ -372,7 +352,7 @@ class GrowUntilSaturated(Callback):
     def _check_unforked(self, trainer: Trainer, pl_module: LightningModule, annealed: bool = False) -> str:
         """Measure (one probe pass), decide (the decision's verdict, then the budgets), act (editor)."""
         network = self._network
-        self.epochs_since_check = 0
+        self._schedule.checked()
         depth, params = self._depth(network), telemetry.count_params(network)
         record: dict[str, Any] = {
             "check": self.checks, "epoch": trainer.current_epoch, "step": trainer.global_step,
@@ -451,8 +431,7 @@ class GrowUntilSaturated(Callback):
             self.restart_pending = True
         self.inserted += len(done["growth_index"])
         self.growths += 1
-        self.stage_epochs = 0
-        self._monitor.new_stage()
+        self._schedule.new_stage()
         return done
 
     # -- telemetry -------------------------------------------------------------------------

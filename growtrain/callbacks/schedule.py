@@ -3,12 +3,20 @@
 With ``on_saturated="anneal"`` the final anneal (``anneal_epochs``) is reserved inside
 ``max_epochs`` under both schedules (converged and periodic): once no more than that is left,
 growth ends as a budget and the anneal trains the network handed over, so no fit hands over a
-network cut mid-stage. No Lightning here: the callback passes the trainer's numbers.
+network cut mid-stage. ``CheckSchedule``: the schedule part of the callback (when a check comes,
+what the rate does), built from these and the plateau (``StageMonitor``) and anneal (``LrAnneal``).
+No Lightning import here: the callback passes the trainer.
 """
 
 from __future__ import annotations
 
-__all__ = ["final_reserved", "no_room"]
+from typing import Any, Callable
+
+from growtrain.callbacks.anneal import LrAnneal
+from growtrain.callbacks.monitor import StageMonitor
+from growtrain.decision import should_check
+
+__all__ = ["final_reserved", "no_room", "CheckSchedule"]
 
 
 def _bounded(max_epochs: int | None, on_saturated: str, finished: str | None) -> bool:
@@ -35,3 +43,85 @@ def no_room(max_epochs: int | None, current_epoch: int, anneal_epochs: int, on_s
     return (f"max_epochs={max_epochs} leaves no epoch to grow in: the last anneal_epochs={anneal_epochs} are "
             "reserved for the final anneal (on_saturated='anneal'), so growth ends at the first epoch as a budget. "
             "Fix: raise max_epochs, lower anneal_epochs, or pass on_saturated='stop'.")  # fmt: skip
+
+
+class CheckSchedule:
+    """When a check comes and what the learning rate does around it: ``"converged"`` (a check when
+    the monitor has plateaued and the stage is at least ``min_stage_epochs`` long; with
+    ``lr_schedule="anneal"`` the stage is cosine-annealed first and checked annealed) or
+    ``"periodic"`` (every ``every_n_epochs`` at the constant rate). Under both the final anneal is
+    reserved inside ``max_epochs``, and after growth ends it runs here too.
+
+    The callback asks it at every train-epoch end what to do (:meth:`epoch_end`); its state (the
+    counters, the plateau's, the anneal's) travels in the callback's checkpoint under the keys of
+    earlier versions. ``should_check`` (growtrain.decision) decides; this class only keeps the count.
+    """
+
+    def __init__(self, *, kind: str, every_n_epochs: int, min_stage_epochs: int, lr_schedule: str,
+                 on_saturated: str, monitor: StageMonitor, anneal: LrAnneal):  # fmt: skip
+        self.kind, self.every_n_epochs, self.min_stage_epochs = kind, every_n_epochs, min_stage_epochs
+        self.lr_schedule, self.on_saturated = lr_schedule, on_saturated
+        self.monitor, self.anneal = monitor, anneal
+        self.epochs_since_check = 0
+        self.stage_epochs = 0  # epochs since the start or the last growth
+        self.waiting: str | None = None  # why the last epoch end ran no check (should_check's reason)
+
+    def epoch_start(self, trainer: Any, optimizer: Callable[[], Any]) -> None:
+        self.monitor.epoch_start()
+        if self.anneal.active:
+            self.anneal.set_lr(trainer, optimizer())
+
+    def epoch_end(self, trainer: Any, *, finished: str | None, budget: Callable[[], str | None],
+                  optimizer: Callable[[], Any]) -> str | None:  # fmt: skip
+        """What this train-epoch end does: ``"check"``, ``"check_annealed"`` (a stage anneal has run
+        its course and the rate is back at its constant value), ``"stop"`` (the final anneal has), or
+        ``None``. ``budget()``: the budget that already ends growth, if any (then no stage anneal:
+        the final anneal follows that check, the same single anneal)."""
+        anneal = self.anneal
+        if anneal.active:
+            if not anneal.epoch_done():
+                self.waiting = f"the {anneal.kind} anneal: {anneal.done} of {anneal.epochs} epoch(s) done"
+                return None
+            if anneal.kind == "stage":
+                anneal.end(optimizer())
+                return "check_annealed"
+            return "stop"
+        if finished is not None:
+            return None
+        self.epochs_since_check += 1
+        self.stage_epochs += 1
+        if final_reserved(trainer.max_epochs, trainer.current_epoch, anneal.epochs, self.on_saturated,
+                          finished) is not None:  # fmt: skip
+            return "check"  # no room for another stage: a budget check ends growth
+        monitor = self.monitor.monitor if self.kind == "converged" else None  # periodic: every every_n_epochs
+        plateaued = self.monitor.plateaued(trainer) if monitor is not None else False
+        due, self.waiting = should_check(
+            finished=finished, epochs_since_check=self.epochs_since_check, every_n_epochs=self.every_n_epochs,
+            monitor=monitor, plateaued=plateaued, min_stage_epochs=self.min_stage_epochs,
+            stage_epochs=self.stage_epochs,
+        )  # fmt: skip
+        if trainer.world_size > 1:  # one answer on every rank
+            due = trainer.strategy.reduce_boolean_decision(due, all=False)
+        if not due:
+            return None
+        if self.lr_schedule == "anneal" and budget() is None and anneal.start(optimizer(), "stage"):
+            return None  # the converged stage is annealed first, then checked
+        return "check"
+
+    def checked(self) -> None:
+        self.epochs_since_check = 0
+
+    def new_stage(self) -> None:
+        """After a growth: a new stage, judged from scratch."""
+        self.stage_epochs = 0
+        self.monitor.new_stage()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epochs_since_check": self.epochs_since_check, "stage_epochs": self.stage_epochs,
+                **self.monitor.state_dict(), **self.anneal.state_dict()}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epochs_since_check = int(state.get("epochs_since_check", 0))
+        self.stage_epochs = int(state.get("stage_epochs", 0))
+        self.monitor.load_state_dict(state)
+        self.anneal.load_state_dict(state)
