@@ -73,7 +73,7 @@ def test_grows_then_stops_at_saturation(tmp_path):
     actions = [h["action"] for h in grow.history]
     assert actions[0] == "grow" and actions[-1] == "saturated" and set(actions) <= {"grow", "saturated"}
     assert trainer.should_stop and trainer.current_epoch < 7  # stopped by saturation, not max_epochs
-    first, last = grow.history[0], grow.history[-1]
+    last = grow.history[-1]
     for h in grow.history:  # the decision follows from the per-site figures (Proposition 1)
         scores = h["site_scores"]
         assert h["gamma"] == pytest.approx(max(s["grad_norm"] for s in scores), rel=1e-12)
@@ -402,7 +402,7 @@ def test_crossfit_rule_tests_every_check_at_alpha(tmp_path, monkeypatch):
     # Bonferroni over the K sites scored at that check, inside the bound computation itself
     sites = [len(h["site_scores"]) for h in grow.history]
     assert used == pytest.approx([lv / k for lv, k in zip(levels, sites)], rel=1e-12)
-    first, last = grow.history[0], grow.history[-1]
+    first = grow.history[0]
     for h in grow.history:
         assert h["lower"] == max(s["lower"] for s in h["site_scores"])
         assert (h["action"] == "grow") == (h["lower"] > 0.1)

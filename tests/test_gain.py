@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from pathlib import Path
 
 from growtrain.gain import GAIN_METHODS, gain_test
 from growtrain.saturation_report import best_scored_site

@@ -6,7 +6,7 @@ tests/test_old_checkpoints.py. Made with that commit on the path (a worktree of 
 then old_trial.ckpt and old_gain.ckpt copied here (the last.ckpt of each fit: 2 epochs, 2 growths by
 the block-only trial; 1 epoch, 1 growth by the stage-gain decision, its reference and snapshot kept).
 """
-import sys, shutil, lightning as L, torch
+import shutil, lightning as L, torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from growtrain.callbacks import GrowUntilSaturated
 from growtrain.data import ImageDataModule
