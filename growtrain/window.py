@@ -4,7 +4,8 @@ Under ``schedule="periodic"`` the network grows every ``every_n_epochs`` (K) at 
 constant rate, before it has converged (AutoGrow's protocol, docs/decision.md). What stops the
 growth is not one block's value but the run's: every check keeps the probe's per-sample losses,
 and the verdict pairs them, sample by sample, with those of the latest check at least ``window``
-(J ≫ K) epochs earlier. Growth goes on while the held-out probe loss fell over that window by a
+(J ≫ K) epochs earlier (optimizer steps, with ``every_n_train_steps``: the same window on
+a quarter of the data then spans four times the epochs). Growth goes on while the held-out probe loss fell over that window by a
 certified (one-sided bootstrap-t lower bound at level α) more than ``min_gain`` of it; otherwise
 it ends: "certified saturation" (``Verdict.certified``) only when the upper bound is below
 ``min_gain`` too, else "no certified gain".
@@ -24,17 +25,19 @@ from growtrain.trial import trial_test
 __all__ = ["window_reference", "window_prune", "window_test", "window_verdict"]
 
 
-def window_reference(entries: Sequence[dict], epoch: int, window: int) -> dict | None:
+def window_reference(entries: Sequence[dict], epoch: int, window: int, unit: str = "epoch") -> dict | None:
     """The latest kept check at least ``window`` epochs before ``epoch`` (``None``: the window is
-    not full yet). ``entries``: ``{"epoch", "losses", "signature"}`` dicts in check order."""
-    older = [e for e in entries if int(e["epoch"]) <= epoch - window]
+    not full yet). ``entries``: ``{"epoch", "losses", "signature"}`` dicts in check order. With
+    ``unit="step"`` both ``epoch`` and ``window`` count optimizer steps, compared with each entry's
+    ``"step"`` (an entry without one, written by an epoch-counted fit, is never a reference)."""
+    older = [e for e in entries if e.get(unit) is not None and int(e[unit]) <= epoch - window]
     return older[-1] if older else None
 
 
-def window_prune(entries: Sequence[dict], epoch: int, window: int) -> list[dict]:
+def window_prune(entries: Sequence[dict], epoch: int, window: int, unit: str = "epoch") -> list[dict]:
     """Drop the entries no later check can use: a later check's reference is at least as recent
     as this one's, so everything before today's reference goes (bounded memory on long fits)."""
-    reference = window_reference(entries, epoch, window)
+    reference = window_reference(entries, epoch, window, unit)
     if reference is None:
         return list(entries)
     index = max(i for i, e in enumerate(entries) if e is reference)
@@ -49,16 +52,18 @@ def window_test(before: torch.Tensor, after: torch.Tensor, *, min_gain: float, l
 
 
 def window_verdict(test: dict | None, *, window: int, epoch: int, reference_epoch: int | None,
-                   min_gain: float) -> Verdict:  # fmt: skip
+                   min_gain: float, unit: str = "epoch") -> Verdict:  # fmt: skip
     """Grow (``saturated=False``) while the window is not full or its certified gain beats
     ``min_gain``; otherwise end growth. ``certified`` (and "certified saturation" in the reason)
     only when the window's upper bound is below ``min_gain`` too; else "no certified gain", with
-    the probe's resolution: a gain above ``min_gain`` was not ruled out."""
+    the probe's resolution: a gain above ``min_gain`` was not ruled out. ``unit``: what ``window``,
+    ``epoch`` and ``reference_epoch`` count ("epoch", or "step": optimizer steps)."""
+    length = f"{window}-epoch" if unit == "epoch" else f"{window}-step"
     if test is None:
         return Verdict("window", False, None, float("nan"), min_gain,
-                       f"grow: the {window}-epoch window is not full yet (epoch {epoch}); the run grows every check "
+                       f"grow: the {length} window is not full yet ({unit} {epoch}); the run grows every check "
                        "until the probe loss can be compared with a check at least that far back")  # fmt: skip
-    span = f"from epoch {reference_epoch} to {epoch}"
+    span = f"from {unit} {reference_epoch} to {epoch}"
     level = test["level"]
     what = (f"the probe loss fell {span} by {100 * test['gain_frac']:.2f} % (at least {100 * test['lower_frac']:.2f} %, "
             f"at most {100 * test['upper_frac']:.2f} %, {100 * (1 - level):.1f} % bounds, n={test['n']})")  # fmt: skip
@@ -67,9 +72,9 @@ def window_verdict(test: dict | None, *, window: int, epoch: int, reference_epoc
                        f"grow: the growing run still pays: {what} > min_gain {100 * min_gain:.2f} %")  # fmt: skip
     if test["upper_frac"] < min_gain:
         return Verdict("window", True, None, test["lower_frac"], min_gain,
-                       f"certified saturation: {what}: below min_gain {100 * min_gain:.2f} % over {window} epochs of "
+                       f"certified saturation: {what}: below min_gain {100 * min_gain:.2f} % over {window} {unit}s of "
                        "growing", certified=True)  # fmt: skip
     half = 100 * (test["upper_frac"] - test["lower_frac"]) / 2
     return Verdict("window", True, None, test["lower_frac"], min_gain,
-                   f"no certified gain over the last {window} epochs: {what}: not above min_gain "
+                   f"no certified gain over the last {window} {unit}s: {what}: not above min_gain "
                    f"{100 * min_gain:.2f} %; this probe resolves the window's gain to about ±{half:.2f} % of the loss")  # fmt: skip

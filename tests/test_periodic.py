@@ -317,3 +317,111 @@ def test_the_stopping_figure_draws_each_windows_certified_gain_against_min_gain(
     assert list(lines["seed 1"].get_ydata()) == [0.1, -0.01]
     assert list(lines["min_gain = 0.01"].get_ydata()) == [0.01, 0.01]
     assert "window" in right.get_ylabel()
+
+
+# -- a check interval and window counted in optimizer steps (every_n_train_steps) -------------------
+def test_should_check_counts_optimizer_steps_when_asked():
+    from growtrain.decision import should_check
+
+    kw = dict(finished=None, epochs_since_check=1, every_n_epochs=1, monitor=None, plateaued=False,
+              every_n_train_steps=12)  # fmt: skip
+    assert should_check(**kw, steps_since_check=8) == (False, "next check after 4 more optimizer step(s)")
+    due, why = should_check(**kw, steps_since_check=12)
+    assert due and "every 12 optimizer step(s)" in why
+    # the epoch count no longer decides: five epochs since the last check but too few steps
+    assert should_check(**(kw | {"epochs_since_check": 5}), steps_since_check=11)[0] is False
+
+
+def test_the_window_in_steps_pairs_the_check_that_many_optimizer_steps_back():
+    rule = WindowRule(window=24, min_gain=0.01, unit="step")
+    sig = torch.arange(6, dtype=torch.float64)
+    # (epoch, step): the epochs are 2 apart but the steps are not evenly spaced
+    checks = [(1, 16), (3, 20), (5, 44)]
+    for k, (epoch, step) in enumerate(checks):
+        _, record = rule.decide(torch.full((6,), 2.0 - 0.3 * k).double(), sig, epoch=epoch, level=0.05, check=k,
+                                step=step)  # fmt: skip
+    # 44 − 24 = 20: the check at step 20 (epoch 3) is the reference, not epoch 1 (counted in epochs, 5 − 4 ≥ 1)
+    assert (record["reference_step"], record["reference_epoch"], record["unit"]) == (20, 3, "step")
+    assert record["gain_frac"] == pytest.approx((1.7 - 1.4) / 1.7)
+    assert "from step 20 to 44" in record["reason"]
+    with pytest.raises(ValueError, match="optimizer steps"):
+        rule.decide(torch.ones(6).double(), sig, epoch=7, level=0.05, check=3)
+
+
+@pytest.mark.parametrize("kw, arg", [
+    ({"schedule": "periodic", "every_n_epochs": 2, "every_n_train_steps": 100}, "every_n_train_steps"),
+    ({"schedule": "periodic", "every_n_train_steps": 100, "window": 6}, "window"),  # 6 steps < 100
+    ({"schedule": "periodic", "every_n_train_steps": 0, "window": 6}, "every_n_train_steps"),
+])  # fmt: skip
+def test_bad_step_options_are_refused_naming_the_argument(kw, arg):
+    with pytest.raises(ValueError, match=rf"^{arg}: expected .*Fix: "):
+        GrowUntilSaturated(**kw)
+
+
+def test_a_step_interval_with_a_monitor_is_warned_about():
+    with pytest.warns(UserWarning, match="every_n_train_steps=50 has no effect while monitor='train_loss'"):
+        GrowUntilSaturated(every_n_train_steps=50)
+
+
+def test_the_schedule_keeps_its_step_count_across_a_checkpoint():
+    from types import SimpleNamespace
+
+    from growtrain.callbacks.anneal import LrAnneal
+    from growtrain.callbacks.monitor import StageMonitor
+    from growtrain.callbacks.schedule import CheckSchedule
+
+    def schedule():
+        return CheckSchedule(kind="periodic", every_n_epochs=1, min_stage_epochs=1, lr_schedule="continue",
+                             on_saturated="stop", monitor=StageMonitor(None, "min", 1, 0.0), anneal=LrAnneal(2),
+                             every_n_train_steps=10)  # fmt: skip
+
+    def at(step, epoch):
+        return SimpleNamespace(global_step=step, current_epoch=epoch, max_epochs=100, world_size=1)
+
+    first = schedule()
+    seen = []
+    for epoch, step in enumerate([4, 8, 12, 16, 20, 24]):  # 4 optimizer steps an epoch
+        if first.epoch_end(at(step, epoch), finished=None, budget=lambda: None, optimizer=lambda: None) == "check":
+            first.checked(step)
+            seen.append(step)
+    assert seen == [12, 24]  # the first epoch ends at least 10 steps after the last check (0, then 12)
+    resumed = schedule()
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.last_check_step == 24
+    ask = dict(finished=None, budget=lambda: None, optimizer=lambda: None)
+    assert resumed.epoch_end(at(32, 7), **ask) is None and "2 more" in resumed.waiting
+    assert resumed.epoch_end(at(36, 8), **ask) == "check"
+
+
+def _steps_per_epoch(trainer) -> int:
+    return int(trainer.num_training_batches)
+
+
+@pytest.mark.parametrize("size", [416, 288])  # 256 and 128 training images: 8 and 4 steps an epoch
+def test_a_step_counted_fit_checks_at_the_same_pace_per_step_on_less_data(tmp_path, always_pays, size):
+    L.seed_everything(0)
+    grow = GrowUntilSaturated(schedule="periodic", every_n_train_steps=12, window=24, min_gain=0.01,
+                              anneal_epochs=2, on_saturated="anneal", verbose=False)  # fmt: skip
+    trainer = L.Trainer(max_epochs=10, callbacks=[grow], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                        default_root_dir=tmp_path)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))  # fmt: skip
+    dm = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=size, synthetic_classes=4, probe_size=120,
+                         val_size=40, batch_size=32, augment=False)  # fmt: skip
+    trainer.fit(model, dm)
+    per_epoch = _steps_per_epoch(trainer)
+    assert per_epoch == {416: 8, 288: 4}[size]
+    # by hand: a check at the first epoch end at least 12 steps after the last, up to the reservation
+    # (the last 2 of 10 epochs are the final anneal: epoch 7's end is the budget check)
+    expected, last = [], 0
+    for epoch in range(8):
+        step = (epoch + 1) * per_epoch
+        if step - last >= 12 or epoch == 7:
+            expected.append((epoch, step))
+            last = step
+    assert [(h["epoch"], h["step"]) for h in grow.history] == expected
+    windows = [h["window"] for h in grow.history if "window" in h]
+    for w in windows:  # the reference is the latest check at least 24 steps back, found by hand
+        earlier = [s for e, s in expected if s <= w["step"] - 24]
+        assert w["reference_step"] == (earlier[-1] if earlier else None) and w["unit"] == "step"

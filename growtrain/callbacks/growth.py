@@ -80,8 +80,10 @@ class GrowUntilSaturated(Callback):
         schedule: ``"converged"`` (a check when ``monitor`` plateaus) or ``"periodic"`` (every
             ``every_n_epochs`` at the constant rate, no anneal before a check).
         every_n_epochs: epochs between checks (periodic, or ``monitor=None``); ``None``: 1.
-        window: ``decision="window"``: epochs J over which the probe loss must have fallen by a
-            certified ``min_gain`` for growth to go on.
+        every_n_train_steps: instead, a check at the first epoch end at least this many optimizer
+            steps after the last; ``window`` then counts optimizer steps too.
+        window: ``decision="window"``: epochs (or optimizer steps) J over which the probe loss must
+            have fallen by a certified ``min_gain`` for growth to go on.
         monitor: metric whose plateau ends a converged stage (default ``"train_loss"``, else the
             loss ``training_step`` returns); ``None``: every ``every_n_epochs``.
         mode: ``"min"`` or ``"max"``: the direction in which ``monitor`` improves.
@@ -120,6 +122,7 @@ class GrowUntilSaturated(Callback):
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         schedule: Literal["converged", "periodic"] = "converged",
         every_n_epochs: int | None = None,
+        every_n_train_steps: int | None = None,
         window: int = 6,
         monitor: str | None = "train_loss",
         mode: Literal["min", "max"] = "min",
@@ -162,12 +165,14 @@ class GrowUntilSaturated(Callback):
         self._anneal = LrAnneal(self.anneal_epochs)
         self._schedule = CheckSchedule(
             kind=self.schedule, every_n_epochs=self.every_n_epochs, min_stage_epochs=self.min_stage_epochs,
-            lr_schedule=self.lr_schedule, on_saturated=self.on_saturated, monitor=self._monitor, anneal=self._anneal)
+            lr_schedule=self.lr_schedule, on_saturated=self.on_saturated, monitor=self._monitor, anneal=self._anneal,
+            every_n_train_steps=self.every_n_train_steps)
         # the decision: one interface, judge(CheckInputs) → (verdict, sites, record entry)
         self._decider = {
             "trial": lambda: BlockTrials(epochs=self.trial_epochs, lr=DEFAULT_TRIAL_LR, holdout=DEFAULT_TRIAL_HOLDOUT,
                                          sites=TRIAL_SITES, min_gain=self.min_gain, seed=self.seed),
-            "window": lambda: WindowRule(window=self.window, min_gain=self.min_gain, seed=self.seed),
+            "window": lambda: WindowRule(window=self.window, min_gain=self.min_gain, seed=self.seed,
+                                         unit="epoch" if self.every_n_train_steps is None else "step"),
             "rule": FirstOrderRule,
         }[self.decision]()  # fmt: skip
         self._trials = self._decider if isinstance(self._decider, BlockTrials) else None
@@ -352,7 +357,7 @@ class GrowUntilSaturated(Callback):
     def _check_unforked(self, trainer: Trainer, pl_module: LightningModule, annealed: bool = False) -> str:
         """Measure (one probe pass), decide (the decision's verdict, then the budgets), act (editor)."""
         network = self._network
-        self._schedule.checked()
+        self._schedule.checked(trainer.global_step)
         depth, params = self._depth(network), telemetry.count_params(network)
         record: dict[str, Any] = {
             "check": self.checks, "epoch": trainer.current_epoch, "step": trainer.global_step,

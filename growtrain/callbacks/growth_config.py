@@ -100,6 +100,9 @@ class GrowthConfig:
     loss_fn: Callable[[Any, Any], Any] | None = None
     schedule: Literal["converged", "periodic"] = "converged"
     every_n_epochs: int | None = None  # None: 1 (given with a monitor: warned about, it has no effect)
+    # instead of every_n_epochs: a check at the first epoch end this many optimizer steps after the last; the
+    # window then counts optimizer steps too (the same pace per step on any amount of data)
+    every_n_train_steps: int | None = None
     window: int = 6  # schedule="periodic": the stop rule's window J, in epochs (the study's J = 3K, K = 2)
     monitor: str | None = "train_loss"
     mode: Literal["min", "max"] = "min"
@@ -135,24 +138,32 @@ class GrowthConfig:
         _choice("schedule", self.schedule, SCHEDULES)
         periodic = self.schedule == "periodic"
         given_every = self.every_n_epochs is not None
+        steps = self.every_n_train_steps
+        _int("every_n_train_steps", steps, 1, optional=True)
+        if steps is not None and given_every:
+            raise _bad("every_n_train_steps", "None when every_n_epochs is given (checks are counted in epochs or in "
+                       "optimizer steps, not both)", steps, "drop one of every_n_epochs and every_n_train_steps")  # fmt: skip
         if not given_every:
             object.__setattr__(self, "every_n_epochs", 1)
         _int("every_n_epochs", self.every_n_epochs, 1)
         _int("window", self.window, 1)
-        if periodic and self.window < self.every_n_epochs:
-            raise _bad("window", f"at least every_n_epochs={self.every_n_epochs} (the stop rule compares a check with "
-                       "one at least `window` epochs back)", self.window,
-                       f"pass window={3 * self.every_n_epochs} or more")  # fmt: skip
+        interval, unit = (self.every_n_epochs, "epochs") if steps is None else (steps, "optimizer steps")
+        if periodic and self.window < interval:
+            given = "every_n_epochs" if steps is None else "every_n_train_steps"
+            raise _bad("window", f"at least {given}={interval} (the stop rule compares a check with one at least "
+                       f"`window` {unit} back; with every_n_train_steps the window counts optimizer steps too)",
+                       self.window, f"pass window={3 * interval} or more (the study's J = 3K)")  # fmt: skip
         if periodic and self.lr_schedule == "anneal":
             raise _bad("lr_schedule", "'continue' with schedule='periodic' (its checks come at the constant rate; "
                        "the one anneal is the final phase, on_saturated='anneal')", self.lr_schedule,
                        "drop lr_schedule, or pass schedule='converged'")  # fmt: skip
         if self.monitor is not None and not (isinstance(self.monitor, str) and self.monitor):
             raise _bad("monitor", "None or the name of a logged metric", self.monitor, "pass monitor='train_loss'")
-        if self.monitor is not None and given_every and not periodic:  # periodic: the monitor is not used
-            warnings.warn(f"GrowUntilSaturated: every_n_epochs={self.every_n_epochs} has no effect while monitor="
+        if self.monitor is not None and (given_every or steps is not None) and not periodic:  # periodic: no monitor
+            given = "every_n_epochs" if steps is None else "every_n_train_steps"
+            warnings.warn(f"GrowUntilSaturated: {given}={interval} has no effect while monitor="
                           f"{self.monitor!r} is set: a check runs when the monitor plateaus, whatever the epoch. Fix: "
-                          "pass monitor=None to check every every_n_epochs, or drop every_n_epochs.", UserWarning,
+                          f"pass monitor=None to check every {given}, or drop {given}.", UserWarning,
                           stacklevel=4)  # fmt: skip
         _choice("mode", self.mode, MODES)
         _int("patience", self.patience, 1)

@@ -1,7 +1,8 @@
 """``decision="window"``: the periodic schedule's stop rule, as a collaborator of the callback.
 
 Each check hands it the probe's per-sample losses (and their samples' fingerprints); it keeps
-them, pairs them with the latest kept check at least ``window`` epochs back, and returns the
+them, pairs them with the latest kept check at least ``window`` epochs (or optimizer steps)
+back, and returns the
 verdict of growtrain.window. Its state (the kept losses) travels in the callback's checkpoint, so
 a resumed fit compares with the same reference.
 """
@@ -56,9 +57,11 @@ class WindowRule:
 
     key = "window"  # the check record's entry (history[i]["window"])
 
-    def __init__(self, *, window: int, min_gain: float, seed: int = 0):
+    def __init__(self, *, window: int, min_gain: float, seed: int = 0, unit: str = "epoch"):
         self.window, self.min_gain, self.seed = int(window), float(min_gain), int(seed)
-        self.entries: list[dict] = []  # {"epoch", "losses", "signature"}: lists of floats (plain, for the checkpoint)
+        self.unit = unit  # what `window` counts: "epoch", or "step" (optimizer steps: every_n_train_steps)
+        # {"epoch", "step", "losses", "signature"}: lists of floats (plain, for the checkpoint)
+        self.entries: list[dict] = []
         self.seconds = 0.0  # wall time of extra probe passes (under DDP), this process
 
     def judge(self, inputs: Any) -> tuple[Verdict, list[str], dict]:
@@ -69,14 +72,18 @@ class WindowRule:
                                                    inputs.loss_fn, inputs.pass_losses, inputs.pass_probe)  # fmt: skip
         self.seconds += seconds
         verdict, entry = self.decide(losses, signatures, epoch=inputs.trainer.current_epoch, level=inputs.level,
-                                     check=inputs.check)  # fmt: skip
+                                     check=inputs.check, step=inputs.trainer.global_step)  # fmt: skip
         best = None if verdict.saturated else best_scored_site(inputs.report)
         return verdict, [best] if best else [], entry
 
     def decide(self, losses: torch.Tensor, signatures: torch.Tensor, *, epoch: int, level: float,
-               check: int) -> tuple[Verdict, dict]:  # fmt: skip
-        """The verdict at this check and the record's ``window`` entry; keeps today's losses."""
-        reference = window_reference(self.entries, epoch, self.window)
+               check: int, step: int | None = None) -> tuple[Verdict, dict]:  # fmt: skip
+        """The verdict at this check and the record's ``window`` entry; keeps today's losses.
+        ``step``: the optimizer steps so far (what the window counts with ``unit="step"``)."""
+        if self.unit == "step" and step is None:
+            raise ValueError("step: the window counts optimizer steps (every_n_train_steps); pass the check's step")
+        now = epoch if self.unit == "epoch" else int(step)
+        reference = window_reference(self.entries, now, self.window, self.unit)
         test = None
         if reference is not None:
             before = torch.tensor(reference["losses"], dtype=torch.float64)
@@ -93,15 +100,17 @@ class WindowRule:
             # the bootstrap's seed follows the check index: the same losses give the same bound after a resume
             test = window_test(before, losses.double().cpu(), min_gain=self.min_gain, level=level,
                                seed=self.seed * 1000 + check)  # fmt: skip
-        verdict = window_verdict(test, window=self.window, epoch=epoch,
-                                 reference_epoch=None if reference is None else int(reference["epoch"]),
-                                 min_gain=self.min_gain)  # fmt: skip
-        self.entries.append({"epoch": int(epoch), "losses": losses.double().cpu().tolist(),
+        verdict = window_verdict(test, window=self.window, epoch=now,
+                                 reference_epoch=None if reference is None else int(reference[self.unit]),
+                                 min_gain=self.min_gain, unit=self.unit)  # fmt: skip
+        self.entries.append({"epoch": int(epoch), "step": None if step is None else int(step),
+                             "losses": losses.double().cpu().tolist(),
                              "signature": signatures.double().cpu().tolist()})  # fmt: skip
-        self.entries = window_prune(self.entries, epoch, self.window)
+        self.entries = window_prune(self.entries, now, self.window, self.unit)
         record = {"saturated": verdict.saturated, "certified": verdict.certified, "reason": verdict.reason,
-                  "window": self.window,
+                  "window": self.window, "unit": self.unit,
                   "reference_epoch": None if reference is None else int(reference["epoch"]), "epoch": int(epoch),
+                  "reference_step": None if reference is None else reference.get("step"), "step": step,
                   "min_gain": self.min_gain, "loss_now": float(losses.double().mean())}  # fmt: skip
         if test is not None:
             record.update({k: test[k] for k in ("gain_frac", "lower_frac", "upper_frac", "loss_before", "n", "level")})
