@@ -86,7 +86,9 @@ def train_block(
     ids = {id(p) for p in params}
     flags = [(p, p.requires_grad) for p in module.parameters()]
     modes = [(m, m.training) for m in module.modules()]
-    grads = [(p, p.grad) for p in params]
+    # every parameter's gradient, not only the block's: under FSDP2 a frozen unit's gradient can still be
+    # reduce-scattered into its sharded parameter; the training step must find what it left
+    grads = [(p, p.grad) for p in module.parameters()]
     done, diverged, first, last = 0, False, None, None
     try:
         for p, _ in flags:
@@ -115,14 +117,16 @@ def train_block(
             done += 1
             if progress is not None:
                 progress(done, steps)
-        if not diverged:
-            diverged = not all(bool(torch.isfinite(p.detach()).all()) for p in params)
+        if not diverged:  # a sharded (FSDP2) block: each rank checks its own shard, and any rank's failure counts
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+            bad = not all(bool(torch.isfinite(t.detach()).all()) for t in local)
+            diverged = any_rank(bad) if any_rank is not None else bad
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)
         for m, training in modes:
             m.training = training
-        for p, grad in grads:  # the block is thrown away or replaced; leave no trial gradient behind
+        for p, grad in grads:  # the block is thrown away or replaced; leave no trial gradient behind anywhere
             p.grad = grad
     return {"steps": done, "diverged": diverged, "loss_first": first, "loss_last": last}
 

@@ -21,6 +21,8 @@ a user's own module (``own``: a GrowableStack of MLP blocks with BatchNorm, ``Sh
   on every unit: the new blocks must copy that policy;
 * ``noshard``: FSDP2 with the new block left unsharded (the negative control: its gradients
   are never reduced, so the ranks drift apart);
+* ``trial`` / ``trialddp``: the block-only trial decides each check, under FSDP2 (the trial
+  block sharded like its neighbours) and under DDP (``TrialWatch`` records what each trial left);
 * ``broken``: FSDP2 with the inserted block's output map made non-zero before sharding (the
   insertion must be caught by the output check and rolled back on every rank: the fit raises
   ``FunctionChangedError``, and the model, back at its depth, still runs sharded).
@@ -175,6 +177,47 @@ class AfterGrowth(L.Callback):
         }  # fmt: skip
 
 
+class TrialWatch:
+    """Wraps ``BlockTrials._one`` for a fit: what each trial left on this rank — the parameters'
+    local checksum and gradient objects before and after, the number of FSDP units, and whether
+    the trial block was one of them while it trained (read in ``train_block``)."""
+
+    def __init__(self):
+        from growtrain.callbacks import trial_check
+
+        self.seen: list[dict] = []
+        self.module, self.real = trial_check, trial_check.BlockTrials._one
+        self.real_train = trial_check.train_block
+        watch = self
+
+        def train_block(forward, module, block, *args, **kwargs):
+            watch.seen[-1]["block_sharded"] = fsdp.is_sharded(block) and block in fsdp.fsdp_units(module)
+            return watch.real_train(forward, module, block, *args, **kwargs)
+
+        def one(trials, trainer, pl_module, network, *args, **kwargs):
+            params = list(pl_module.parameters())
+            entry = {"sum_before": _local_sum(params), "units_before": len(fsdp.fsdp_units(pl_module))}
+            grads = [p.grad for p in params]
+            watch.seen.append(entry)
+            out = watch.real(trials, trainer, pl_module, network, *args, **kwargs)
+            after = list(pl_module.parameters())
+            roots = [u._get_fsdp_state() for u in fsdp.fsdp_units(pl_module) if u._get_fsdp_state()._is_root]
+            entry.update(sum_after=_local_sum(after), units_after=len(fsdp.fsdp_units(pl_module)),
+                         root_states_after=[len(r._state_ctx.all_states) for r in roots],
+                         same_params=len(after) == len(params) and all(a is b for a, b in zip(after, params)),
+                         grads_kept=all(p.grad is g for p, g in zip(params, grads)))  # fmt: skip
+            return out
+
+        trial_check.BlockTrials._one, trial_check.train_block = one, train_block
+
+    def close(self):
+        self.module.BlockTrials._one, self.module.train_block = self.real, self.real_train
+
+
+def _local_sum(params) -> float:
+    return float(sum(p.to_local().double().sum() if hasattr(p, "to_local") else p.double().sum() for p in params))
+
+
 def run_kind(trainer) -> str:
     return "fsdp" if type(trainer.strategy).__name__ == "ModelParallelStrategy" else "ddp"
 
@@ -200,12 +243,15 @@ def fit(args, name: str) -> None:
     if run.startswith("window"):  # the periodic schedule's window rule: fsdp ("window") against ddp ("windowddp")
         decision = {"schedule": "periodic", "decision": "window", "window": 1, "on_saturated": "anneal",
                     "anneal_epochs": 1}  # fmt: skip
+    if run.startswith("trial"):  # the block-only trial decides: fsdp ("trial") against ddp ("trialddp")
+        decision = {"decision": "trial"}
     grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, rule="crossfit", max_growths=2, alpha=0.5, verbose=False,
                               seed=1, **({"min_gain": 0.0} | decision))  # fmt: skip
+    trials = TrialWatch() if run.startswith("trial") else None
     ckpt_dir = os.path.join(out, f"{name}_ckpt")
     callbacks = [grow, after]
     strategy: object = "ddp"
-    if run not in ("ddp", "windowddp"):
+    if run not in ("ddp", "windowddp", "trialddp"):
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
                                          save_distributed_checkpoint=run != "full")  # fmt: skip
     if run in ("fsdp", "full"):
@@ -225,6 +271,9 @@ def fit(args, name: str) -> None:
         if run not in ("broken", "resume_unhooked"):
             raise
         error = f"{type(err).__name__}: {err}"
+    finally:
+        if trials is not None:
+            trials.close()
     rank = trainer.global_rank
     units = fsdp.fsdp_units(module)
     roots = [u._get_fsdp_state() for u in units if u._get_fsdp_state()._is_root]
@@ -237,7 +286,7 @@ def fit(args, name: str) -> None:
         "growth_log": module.growable_network.growth_log, "error": error,
         "param_groups": [g.get("name") for g in trainer.optimizers[0].param_groups] if trainer.optimizers else [],
         "after_growth": after.facts, "depth": module.growable_network.depth(),
-        "grown_sum": grown_sum, "window_entries": grow._window.entries if grow._window is not None else None, "units": len(units), "root_states": [len(r._state_ctx.all_states) for r in roots],
+        "grown_sum": grown_sum, "trial_watch": trials.seen if trials is not None else None, "window_entries": grow._window.entries if grow._window is not None else None, "units": len(units), "root_states": [len(r._state_ctx.all_states) for r in roots],
         "local_checksum": float(sum(p.to_local().double().sum() if hasattr(p, "to_local") else p.double().sum()
                                     for p in module.parameters())),
     }  # fmt: skip

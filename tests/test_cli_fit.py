@@ -260,8 +260,7 @@ def _callback_args(config: Path) -> dict | None:
                          ids=lambda p: str(p.relative_to(CONFIGS)))  # fmt: skip
 def test_no_shipped_config_makes_the_callback_warn(config):
     """A shipped config is one the code does not warn about nor refuse: its callback builds without
-    a warning, and under FSDP2 it names its decision (the default, the block-only trial, is refused
-    there at setup) and one that setup accepts under FSDP2."""
+    a warning, and under FSDP2 its strategy is one that setup accepts (data parallel only)."""
     import warnings
     from types import SimpleNamespace
 
@@ -276,12 +275,12 @@ def test_no_shipped_config_makes_the_callback_warn(config):
         grow = GrowUntilSaturated(**args)
     strategy = ((yaml.safe_load(config.read_text()) or {}).get("trainer") or {}).get("strategy")
     if "ModelParallelStrategy" in str(strategy):
-        assert args.get("decision") in ("window", "rule"), config
         # what setup checks under FSDP2 (data parallel only: tensor_parallel_size 1), without a GPU
         fsdp = SimpleNamespace(_device_mesh=None, _tensor_parallel_size=1, _data_parallel_size=2)
-        check_model_parallel(SimpleNamespace(strategy=fsdp, world_size=2), grow.decision, given=True)
-        with pytest.raises(ValueError, match=r"^decision: 'trial' \(given\) is not supported under FSDP2.*Fix: "):
-            check_model_parallel(SimpleNamespace(strategy=fsdp, world_size=2), "trial", given=True)
+        check_model_parallel(SimpleNamespace(strategy=fsdp, world_size=2))
+        with pytest.raises(RuntimeError, match=r"^strategy: .*tensor_parallel_size=2 .*Fix: "):
+            check_model_parallel(SimpleNamespace(strategy=SimpleNamespace(
+                _device_mesh=None, _tensor_parallel_size=2, _data_parallel_size=1), world_size=2))
 
 
 def test_the_fit_configs_are_found():

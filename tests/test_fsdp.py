@@ -1,7 +1,8 @@
 """GrowUntilSaturated under FSDP2 (Lightning's ModelParallelStrategy): 2 CPU processes (gloo).
 
-One launch of ``tests/fsdp_script.py`` runs thirteen fits in the same two processes (see its
-docstring): growtrain's decoder (``gpt``) under FSDP2 and under DDP on the same batches, a resume
+One launch of ``tests/fsdp_script.py`` runs seventeen fits in the same two processes (see its
+docstring): growtrain's decoder (``gpt``) under FSDP2 and under DDP on the same batches (with the
+first-order rule, the periodic window and the block-only trial deciding), a resume
 from the FSDP2 run's sharded checkpoint, the same resume without the grower's hook, a full-state
 checkpoint, bf16 compute with a non-default policy, two negative controls (the new block left
 unsharded; an insertion that changes the function), a tiny random HF Llama under FSDP2, under
@@ -31,7 +32,7 @@ from tests.test_ddp import ROOT, _free_port, clean_env
 
 RUNS = ("gpt:fsdp", "gpt:ddp", "gpt:resume", "gpt:resume_unhooked", "gpt:full", "gpt:mp", "gpt:noshard",
         "gpt:broken", "llama:fsdp", "llama:ddp", "llama:resume", "own:fsdp", "own:ddp", "gpt:window",
-        "gpt:windowddp")  # fmt: skip
+        "gpt:windowddp", "gpt:trial", "gpt:trialddp")  # fmt: skip
 LOCAL = ("max_abs_change", "tolerance")  # each rank verifies the insertion on its own first probe batch
 
 
@@ -124,6 +125,40 @@ def test_the_periodic_window_rule_decides_under_fsdp2_as_under_ddp(runs):
     assert judged, "no check had a full window"
     for a, b in judged:
         assert a["gain_frac"] == pytest.approx(b["gain_frac"], rel=1e-4, abs=1e-7)
+
+
+def test_block_only_trials_run_under_fsdp2_as_under_ddp_and_leave_the_network_as_it_was(runs):
+    """decision='trial' under FSDP2: each trial block is sharded like its neighbours while it trains
+    (FSDP gathers it and averages its gradients) and taken out again with its unit. The trials'
+    figures, the verdicts and the grown network are those of the same fit under DDP (the trial's
+    established path), and each trial leaves every rank's parameters, gradients and FSDP units as
+    they were."""
+    results, out = runs
+    (fs, fs1), dd = results["gpt:trial"], results["gpt:trialddp"][0]
+    assert [(h["action"], h.get("site")) for h in fs["history"]] == [(h["action"], h.get("site")) for h in dd["history"]]
+    assert fs["history"] == fs1["history"]  # one decision on every rank
+    judged = [(a["trial"]["trials"], b["trial"]["trials"]) for a, b in zip(fs["history"], dd["history"]) if "trial" in a]
+    assert len(judged) >= 2 and fs["history"][0]["action"] == "grow"  # trials decided, and growth followed them
+    for sharded_trials, ddp_trials in judged:
+        assert [t["site"] for t in sharded_trials] == [t["site"] for t in ddp_trials]
+        for a, b in zip(sharded_trials, ddp_trials):
+            assert not a["diverged"] and a["steps"] == b["steps"] >= 100
+            for key in ("gain_frac", "lower_frac", "upper_frac"):
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
+    for rank in (fs, fs1):
+        assert len(rank["trial_watch"]) == len(judged)
+        for seen in rank["trial_watch"]:
+            assert seen["block_sharded"] is True  # its own FSDP unit while it trained
+            assert seen["sum_after"] == seen["sum_before"] and seen["same_params"] and seen["grads_kept"]
+            assert seen["units_after"] == seen["units_before"]
+            assert seen["root_states_after"] == [seen["units_after"]]  # the root forgot the trial block's unit
+        assert rank["root_states"] == [rank["units"]]  # the root forgot every trial block's unit
+    assert all(seen["block_sharded"] is False for seen in dd["trial_watch"])
+    p_fsdp, p_ddp = _params(out, "gpt:trial"), _params(out, "gpt:trialddp")
+    ddp_keys = {k.removeprefix("module."): v for k, v in p_ddp.items()}
+    assert set(p_fsdp) == set(ddp_keys)
+    for key, value in p_fsdp.items():
+        torch.testing.assert_close(value, ddp_keys[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_a_new_block_copies_a_non_default_policy_bf16_compute_and_no_reshard_after_forward(runs):
@@ -228,11 +263,8 @@ def test_refused_strategies_name_the_reason_and_the_alternative():
     with pytest.raises(RuntimeError, match=r"tensor_parallel_size=2 .*Fix: ModelParallelStrategy\(data_parallel_size=2"):
         _setup(ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2))
     fsdp2 = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    for given in ({}, {"decision": "trial"}):  # the default decision and a given one: refused alike, named
-        with pytest.raises(ValueError, match=r"decision: 'trial' \((the default|given)\) is not supported under FSDP2 "
-                                             r".*Fix: pass schedule='periodic'"):
-            _setup(fsdp2, **given)
-    for accepted in ({"schedule": "periodic"}, {"decision": "rule", "min_gain": None}):  # past the strategy check:
+    # every decision passes the strategy check under FSDP2 (the block-only trial too: gpt:trial runs it)
+    for accepted in ({}, {"decision": "trial"}, {"schedule": "periodic"}, {"decision": "rule", "min_gain": None}):
         with pytest.raises(ValueError, match="probe: no probe data"):  # on to the next one (no datamodule here)
             _setup(fsdp2, **accepted)
 

@@ -159,7 +159,6 @@ class GrowUntilSaturated(Callback):
             setattr(self, "network_spec" if name == "network" else name, getattr(self.config, name))
         self._network: nn.Module | None = None
         self._loss: Callable | None = None
-        self._decision_given = decision is not None
         # the schedule: when a check comes (its plateau and anneal parts kept here by name too)
         self._monitor = StageMonitor(self.monitor, self.mode, self.patience, self.min_rel_delta)
         self._anneal = LrAnneal(self.anneal_epochs)
@@ -230,7 +229,7 @@ class GrowUntilSaturated(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        sharded.check_strategy(trainer, self.decision, given=self._decision_given)
+        sharded.check_strategy(trainer)
         self._network = self._resolve_network(pl_module, required=not self._builds_late(pl_module))
         if sharded.is_model_parallel(trainer.strategy):  # resume: grow to the checkpoint's depth before the shards load
             sharded.install_resume(trainer, lambda: self._network or self._resolve_network(pl_module, required=True))

@@ -348,7 +348,7 @@ def _check_probe_setup(trainer: Any, pl_module: nn.Module, network: nn.Module, l
             "returning what training_step feeds the loss (e.g. self.head(self.net(self.encoder(x)))), or pass "
             "loss_fn= that takes the network's output."
         ) from error
-    if fsdp.is_sharded(pl_module):  # a sharded trial insertion needs the growth step's sharding: checked there
+    if fsdp.is_sharded(pl_module):  # a sharded insertion needs its block sharded (the growth step's): checked there
         return
     before = eval_output(view, x)
     scale = float(before.float().abs().max()) if before.numel() else 1.0

@@ -59,8 +59,9 @@ def is_model_parallel(strategy: Any) -> bool:
     return any(cls.__name__ == "ModelParallelStrategy" for cls in type(strategy).__mro__)
 
 
-def check_model_parallel(trainer: Any, decision: str | None = None, given: bool = True) -> None:
-    """At setup: FSDP2 data parallelism only (tensor-parallel size 1), and no block-only trials."""
+def check_model_parallel(trainer: Any) -> None:
+    """At setup: FSDP2 data parallelism only (tensor-parallel size 1). Every decision runs under it
+    (a block-only trial shards its block like the neighbours: growtrain/callbacks/trial_check.py)."""
     strategy = trainer.strategy
     mesh = getattr(strategy, "_device_mesh", None)
     if mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ()):
@@ -74,13 +75,6 @@ def check_model_parallel(trainer: Any, decision: str | None = None, given: bool 
             "plan is fixed per layer at setup, so a new block would not be split like its neighbours. "
             "ModelParallelStrategy() puts every device on the tensor-parallel dimension by default. Fix: "
             f"ModelParallelStrategy(data_parallel_size={trainer.world_size}, tensor_parallel_size=1)."
-        )
-    if decision == "trial":  # a trial block inside the frozen sharded network would need its own sharding
-        raise ValueError(
-            f"decision: 'trial' ({'given' if given else 'the default'}) is not supported under FSDP2 "
-            f"({type(strategy).__name__}) yet: a trial block would need its own sharding inside the frozen sharded "
-            "network. Fix: pass schedule='periodic' with decision='window' (its default there; the window runs under "
-            "FSDP2), or decision='rule'."
         )
 
 
@@ -195,9 +189,8 @@ def install_resume(trainer: Any, network_of: Callable[[], nn.Module]) -> None:
     strategy._growtrain_resume = True
 
 
-def check_strategy(trainer: Any, decision: str | None = None, given: bool = True) -> None:
-    """Refuse, before any state changes, a strategy (or, under FSDP2, a decision) the growth callback
-    cannot follow; ``given``: whether the user chose ``decision`` (else it is the default)."""
+def check_strategy(trainer: Any) -> None:
+    """Refuse, before any state changes, a strategy the growth callback cannot follow."""
     strategy = trainer.strategy
     names = {cls.__name__ for cls in type(strategy).__mro__}
     for name, (why, instead) in REFUSED.items():
@@ -206,8 +199,8 @@ def check_strategy(trainer: Any, decision: str | None = None, given: bool = True
                 f"strategy: GrowUntilSaturated does not support {type(strategy).__name__} ({why}). "
                 f"Supported: one device, strategy='ddp', and FSDP2. Fix: use {instead}."
             )
-    if is_model_parallel(strategy):  # FSDP2: data parallel only, no block-only trials
-        return check_model_parallel(trainer, decision, given)
+    if is_model_parallel(strategy):  # FSDP2: data parallel only
+        return check_model_parallel(trainer)
     launcher = getattr(strategy, "launcher", None)
     if launcher is not None and type(launcher).__name__ == "_MultiProcessingLauncher":
         raise RuntimeError(

@@ -12,7 +12,10 @@ the trial's optimizer is its own). Held-out samples: the probe, plus the first
 does not train on (at most 40 % of an epoch; docs/decision.md says why and what they add).
 
 Under DDP every rank trains the same block (its gradients are averaged) and rank 0's verdict is
-broadcast, so every rank takes the same action.
+broadcast, so every rank takes the same action. Under FSDP2 the trial block is sharded like its
+neighbours for the trial (FSDP gathers its parameters and averages its gradients, with the
+neighbours' mixed-precision policy) and taken out again with its unit; the held-out and probe
+passes are collectives, run by every rank alike.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
+from growtrain import fsdp
 from growtrain.callbacks.probe_data import Converted, ProbeView, per_sample_losses
 from growtrain.callbacks.progress import Steps, counted, progress_for
 from growtrain.gain import sample_signatures
@@ -155,9 +159,15 @@ class BlockTrials:
         held_before = self._losses(view, held, loss_fn, device, step, f"{label}: held-out losses")
         log_len = len(network.growth_log)
         block = network.grow(site, network.new_block(site, seed=seed))
+        # FSDP2: the trial block is sharded like its neighbours (its own unit, the neighbours' mixed-precision
+        # policy), so FSDP gathers it and reduce-scatters its gradients; it is taken out again below
         try:
+            sharded = bool(fsdp.shard_like_neighbours(network, [block], root=pl_module))
+            if sharded:
+                fsdp.reshard_all(pl_module)  # the trial's Adam takes the block's sharded DTensor parameters
             train = f"{label}: train block"
-            fit = train_block(view, pl_module, block, batches, loss_fn, steps=steps, lr=self.lr, sync_grads=sync,
+            fit = train_block(view, pl_module, block, batches, loss_fn, steps=steps, lr=self.lr,
+                              sync_grads=None if sharded else sync,  # FSDP2 already averaged them
                               any_rank=self._any_rank(trainer),
                               progress=lambda done, total: step(done, total, train))  # fmt: skip
             if fit["diverged"]:
@@ -167,6 +177,7 @@ class BlockTrials:
             held_after = self._losses(view, held, loss_fn, device, step, f"{label}: score held-out")
         finally:
             network.undo_growth([block], log_len)  # bit-for-bit the network before the trial
+            fsdp.reinit_root(pl_module)  # FSDP2: the root forgets the trial block's unit (a no-op otherwise)
         before = torch.cat([probe_before, held_before])
         after = torch.cat([probe_after, held_after])
         test = trial_test(before, after, min_gain=self.min_gain, level=level, seed=seed)
