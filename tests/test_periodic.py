@@ -425,3 +425,49 @@ def test_a_step_counted_fit_checks_at_the_same_pace_per_step_on_less_data(tmp_pa
     for w in windows:  # the reference is the latest check at least 24 steps back, found by hand
         earlier = [s for e, s in expected if s <= w["step"] - 24]
         assert w["reference_step"] == (earlier[-1] if earlier else None) and w["unit"] == "step"
+
+
+# -- the final anneal reserved inside max_steps too -------------------------------------------------
+def test_the_final_anneal_is_reserved_inside_max_steps_as_whole_epochs():
+    from growtrain.callbacks.schedule import final_reserved, no_room
+
+    kw = dict(anneal_epochs=5, on_saturated="anneal", finished=None, max_steps=1050, per_epoch=100)
+    # after epoch 3 (step 400) 650 steps are left: 6 whole epochs > 5, growth goes on
+    assert final_reserved(-1, 3, global_step=400, **kw) is None
+    # after epoch 4 (step 500) 550 steps: 5 whole epochs, the anneal's; it ends at step 1000 <= 1050
+    why = final_reserved(-1, 4, global_step=500, **kw)
+    assert why.startswith("max_steps=1050 (550 step(s) left, 100 an epoch): the last 5 epoch(s) are reserved")
+    # both budgets: the one leaving fewer whole epochs binds
+    assert final_reserved(7, 1, global_step=200, **kw).startswith("max_epochs=7")
+    assert final_reserved(None, 1, global_step=200, **(kw | {"on_saturated": "stop"})) is None
+    assert "Fix: raise max_steps" in no_room(-1, 0, global_step=0, **(kw | {"max_steps": 600}))
+    assert no_room(-1, 0, global_step=0, **(kw | {"max_steps": 700})) is None  # 7 epochs: one to grow in
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_fit_bounded_by_max_steps_ends_growth_in_time_to_anneal(tmp_path, always_pays, accumulate):
+    L.seed_everything(0)
+    grow = GrowUntilSaturated(schedule="periodic", every_n_epochs=1, window=2, min_gain=0.01, anneal_epochs=3,
+                              on_saturated="anneal", verbose=False)  # fmt: skip
+    lr = LrLog()
+    per_epoch = 8 // accumulate  # 256 training images, batches of 32: 8 batches an epoch
+    max_steps = 9 * per_epoch + per_epoch // 2  # 9.5 epochs of optimizer steps
+    trainer = L.Trainer(max_steps=max_steps, max_epochs=-1, accumulate_grad_batches=accumulate, callbacks=[grow, lr],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, limit_val_batches=0, default_root_dir=tmp_path)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))  # fmt: skip
+    dm = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=416, synthetic_classes=4, probe_size=120,
+                         val_size=40, batch_size=32, augment=False)  # fmt: skip
+    trainer.fit(model, dm)
+    # by hand: growth ends at the first epoch end leaving at most 3 whole epochs of steps: after epoch e,
+    # (max_steps - (e + 1) * per_epoch) // per_epoch <= 3: 4.5 epochs left after e = 4 (4 whole), 3.5 after e = 5
+    last = next(e for e in range(20) if (max_steps - (e + 1) * per_epoch) // per_epoch <= 3)
+    assert last == 5
+    assert [h["epoch"] for h in grow.history] == list(range(last + 1))
+    assert grow.history[-1]["action"] == "budget" and grow.history[-1]["reason"].startswith(f"max_steps={max_steps}")
+    # the whole anneal ran (3 epochs) and the callback, not max_steps, ended the fit
+    assert grow.final_epochs == 3 and trainer.current_epoch == last + 1 + 3
+    assert trainer.global_step == (last + 1 + 3) * per_epoch < max_steps
+    cosine = [0.1 * 0.5 * (1 + math.cos(math.pi * (k + 1) / 4)) for k in range(3)]
+    assert lr.lrs[last + 1:] == pytest.approx(cosine)

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from growtrain import decision as dec
-from growtrain.callbacks import editor, guidance, probe_check, schedule, sharded, telemetry
+from growtrain.callbacks import editor, guidance, probe_check, sharded, telemetry
 from growtrain.callbacks.anneal import LrAnneal, refuse_scheduler
 from growtrain.callbacks.editor import FunctionChangedError
 from growtrain.callbacks.growth_config import REMOVED, GrowthConfig, removed_message
@@ -101,7 +101,8 @@ class GrowUntilSaturated(Callback):
         trial_epochs: epochs of the training loader a trial block trains for (Adam, ≥ 100 steps).
         max_growths, max_params: budgets; reaching one ends growth (reason "budget").
         on_saturated: when growth ends: ``"stop"``, ``"continue"`` at that depth, or ``"anneal"``
-            (the final anneal over ``anneal_epochs``, reserved inside ``max_epochs``, then stop).
+            (the final anneal over ``anneal_epochs``, reserved inside ``max_epochs`` and
+            ``max_steps``, then stop).
         anneal_epochs: the final anneal's length (and a converged stage's).
         lr_schedule: after a growth the schedulers ``"continue"`` or ``"restart"``; ``"anneal"``:
             the callback drives the rate (constant per stage, annealed before each check).
@@ -246,8 +247,7 @@ class GrowUntilSaturated(Callback):
             self.start_depth = self._depth(self._network)
         if self.lr_schedule == "anneal" and (self.finished is None or self._anneal.active):
             refuse_scheduler(trainer, editor.optimizer_for(trainer, self._network))
-        why = schedule.no_room(trainer.max_epochs, trainer.current_epoch, self.anneal_epochs, self.on_saturated,
-                               self.finished)  # fmt: skip
+        why = self._schedule.no_room(trainer, self.finished)
         if why is not None:  # a fit too short to grow says so
             rank_zero_warn(f"GrowUntilSaturated: {why}", category=UserWarning)
         check_probe_setup(trainer, pl_module, self._network, self._probe_loader(trainer, shard=False), self._loss)
@@ -305,8 +305,7 @@ class GrowUntilSaturated(Callback):
         ) or (self._final_reserved(trainer) if trainer is not None else None)  # fmt: skip
 
     def _final_reserved(self, trainer: Trainer) -> str | None:
-        return schedule.final_reserved(trainer.max_epochs, trainer.current_epoch, self.anneal_epochs,
-                                       self.on_saturated, self.finished)  # fmt: skip
+        return self._schedule.reserved(trainer, self.finished)
 
     # -- the end of the fit ----------------------------------------------------------------
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -1,7 +1,7 @@
-"""When growth must end so that the final phase fits: pure functions of the epoch budget.
+"""When growth must end so that the final phase fits: pure functions of the budget.
 
 With ``on_saturated="anneal"`` the final anneal (``anneal_epochs``) is reserved inside
-``max_epochs`` under both schedules (converged and periodic): once no more than that is left,
+``max_epochs`` and ``max_steps`` (as whole epochs of optimizer steps) under both schedules (converged and periodic): once no more than that is left,
 growth ends as a budget and the anneal trains the network handed over, so no fit hands over a
 network cut mid-stage. ``CheckSchedule``: the schedule part of the callback (when a check comes,
 what the rate does), built from these and the plateau (``StageMonitor``) and anneal (``LrAnneal``).
@@ -10,39 +10,73 @@ No Lightning import here: the callback passes the trainer.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 from growtrain.callbacks.anneal import LrAnneal
 from growtrain.callbacks.monitor import StageMonitor
 from growtrain.decision import should_check
 
-__all__ = ["final_reserved", "no_room", "CheckSchedule"]
+__all__ = ["final_reserved", "no_room", "steps_per_epoch", "CheckSchedule"]
 
 
-def _bounded(max_epochs: int | None, on_saturated: str, finished: str | None) -> bool:
-    return on_saturated == "anneal" and finished is None and max_epochs is not None and max_epochs >= 0
+def _anneal_follows(on_saturated: str, finished: str | None) -> bool:
+    """Is a final anneal still to come (growth goes on, and it ends in an anneal)?"""
+    return on_saturated == "anneal" and finished is None
+
+
+def steps_per_epoch(trainer: Any) -> int | None:
+    """Optimizer steps in a full training epoch (the batches over ``accumulate_grad_batches``, the
+    last partial accumulation stepping too), or ``None`` when the loader has no length."""
+    batches = getattr(trainer, "num_training_batches", None)
+    if not isinstance(batches, int) or batches < 1:
+        return None
+    return math.ceil(batches / max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1)))
+
+
+def _epochs_left(max_epochs: int | None, current_epoch: int, max_steps: int | None, global_step: int,
+                 per_epoch: int | None) -> tuple[int, str] | None:  # fmt: skip
+    """Whole epochs the budget leaves after epoch ``current_epoch``, and the budget that binds:
+    ``max_epochs``, or ``max_steps`` over ``per_epoch`` optimizer steps an epoch."""
+    left = []
+    if max_epochs is not None and max_epochs >= 0:
+        left.append((max_epochs - (current_epoch + 1), f"max_epochs={max_epochs}"))
+    if max_steps is not None and max_steps >= 0 and per_epoch:
+        steps = max_steps - global_step
+        left.append((steps // per_epoch, f"max_steps={max_steps} ({steps} step(s) left, {per_epoch} an epoch)"))
+    return min(left) if left else None
 
 
 def final_reserved(max_epochs: int | None, current_epoch: int, anneal_epochs: int, on_saturated: str,
-                   finished: str | None) -> str | None:  # fmt: skip
-    """At the end of epoch ``current_epoch``: the budget reason when growth must end now, else ``None``."""
-    if not _bounded(max_epochs, on_saturated, finished):
+                   finished: str | None, *, max_steps: int | None = None, global_step: int = 0,
+                   per_epoch: int | None = None) -> str | None:  # fmt: skip
+    """At the end of epoch ``current_epoch``: the budget reason when growth must end now, else ``None``.
+    The budget is ``max_epochs`` or ``max_steps`` (optimizer steps, ``per_epoch`` of them an epoch),
+    whichever leaves fewer whole epochs: the anneal then completes inside both."""
+    if not _anneal_follows(on_saturated, finished):
         return None
-    left = max_epochs - (current_epoch + 1)
-    if left > anneal_epochs:
+    budget = _epochs_left(max_epochs, current_epoch, max_steps, global_step, per_epoch)
+    if budget is None or budget[0] > anneal_epochs:
         return None
-    return (f"max_epochs={max_epochs}: the last {anneal_epochs} epoch(s) are reserved for the final anneal "
-            f"({left} left after epoch {current_epoch})")  # fmt: skip
+    left, which = budget
+    return (f"{which}: the last {anneal_epochs} epoch(s) are reserved for the final anneal "
+            f"({left} whole epoch(s) left after epoch {current_epoch})")  # fmt: skip
 
 
 def no_room(max_epochs: int | None, current_epoch: int, anneal_epochs: int, on_saturated: str,
-            finished: str | None) -> str | None:  # fmt: skip
+            finished: str | None, *, max_steps: int | None = None, global_step: int = 0,
+            per_epoch: int | None = None) -> str | None:  # fmt: skip
     """At the start of training: why this fit cannot grow at all, or ``None``."""
-    if not _bounded(max_epochs, on_saturated, finished) or max_epochs - current_epoch > anneal_epochs + 1:
+    if not _anneal_follows(on_saturated, finished):
         return None
-    return (f"max_epochs={max_epochs} leaves no epoch to grow in: the last anneal_epochs={anneal_epochs} are "
-            "reserved for the final anneal (on_saturated='anneal'), so growth ends at the first epoch as a budget. "
-            "Fix: raise max_epochs, lower anneal_epochs, or pass on_saturated='stop'.")  # fmt: skip
+    # the epochs left counting the one about to train (current_epoch - 1: "after the previous epoch")
+    budget = _epochs_left(max_epochs, current_epoch - 1, max_steps, global_step, per_epoch)
+    if budget is None or budget[0] > anneal_epochs + 1:
+        return None
+    raise_it = "max_steps" if budget[1].startswith("max_steps") else "max_epochs"
+    return (f"{budget[1]} leaves no epoch to grow in: the last anneal_epochs={anneal_epochs} are reserved for the "
+            "final anneal (on_saturated='anneal'), so growth ends at the first epoch as a budget. "
+            f"Fix: raise {raise_it}, lower anneal_epochs, or pass on_saturated='stop'.")  # fmt: skip
 
 
 class CheckSchedule:
@@ -95,8 +129,7 @@ class CheckSchedule:
             return None
         self.epochs_since_check += 1
         self.stage_epochs += 1
-        if final_reserved(trainer.max_epochs, trainer.current_epoch, anneal.epochs, self.on_saturated,
-                          finished) is not None:  # fmt: skip
+        if self.reserved(trainer, finished) is not None:
             return "check"  # no room for another stage: a budget check ends growth
         monitor = self.monitor.monitor if self.kind == "converged" else None  # periodic: every every_n_epochs
         plateaued = self.monitor.plateaued(trainer) if monitor is not None else False
@@ -113,6 +146,25 @@ class CheckSchedule:
         if self.lr_schedule == "anneal" and budget() is None and anneal.start(optimizer(), "stage"):
             return None  # the converged stage is annealed first, then checked
         return "check"
+
+    def reserved(self, trainer: Any, finished: str | None) -> str | None:
+        """The budget reason when growth must end at this epoch end for the final anneal to fit
+        inside ``max_epochs`` and ``max_steps``; ``None`` otherwise."""
+        return final_reserved(trainer.max_epochs, trainer.current_epoch, self.anneal.epochs, self.on_saturated,
+                              finished, **self._steps(trainer))  # fmt: skip
+
+    def no_room(self, trainer: Any, finished: str | None) -> str | None:
+        """At the start of training: why the budget leaves no epoch to grow in, or ``None``."""
+        return no_room(trainer.max_epochs, trainer.current_epoch, self.anneal.epochs, self.on_saturated, finished,
+                       **self._steps(trainer))  # fmt: skip
+
+    @staticmethod
+    def _steps(trainer: Any) -> dict:
+        max_steps = getattr(trainer, "max_steps", None)  # -1 / None: no step budget
+        if max_steps is None or max_steps < 0:
+            return {}
+        return {"max_steps": int(max_steps), "global_step": int(trainer.global_step),
+                "per_epoch": steps_per_epoch(trainer)}  # fmt: skip
 
     def checked(self, step: int = 0) -> None:
         """A check ran at optimizer step ``step`` (``trainer.global_step``)."""

@@ -207,7 +207,7 @@ def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: in
     # an upper bound below the margin); otherwise "no certified gain", and the reason gives the
     # resolution the evaluation set had (or that the network is at chance level)
     stop = next((h for h in reversed(history) if h.get("action") == "saturated"), {})
-    why = {None: "growth had not ended when the fit stopped (max_epochs or another callback)",
+    why = {None: "growth had not ended when the fit stopped (max_epochs, max_steps or another callback)",
            "saturated": "certified saturation" if stop.get("certified") else "no certified gain from more depth",
            "budget": "a growth budget"}.get(finished, str(finished))  # fmt: skip
     lines = [f"stopped growing: {why}" + (f" — {stop_reason}" if stop_reason else "")]
