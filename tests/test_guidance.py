@@ -80,6 +80,26 @@ def test_no_check_message_without_a_monitor_names_every_n_epochs():
     assert "a smaller every_n_epochs" in text
 
 
+@pytest.mark.parametrize("interval", [{"every_n_epochs": 5}, {"every_n_train_steps": 1000, "window": 3000}])
+def test_a_periodic_fit_without_a_check_names_its_interval_not_a_monitor(tmp_path, interval):
+    """The periodic schedule never consults the monitor: a fit too short for its first check says
+    which interval was too long (in epochs, or in optimizer steps), with the fix."""
+    grow = GrowUntilSaturated(schedule="periodic", verbose=False, **interval)
+    with pytest.warns(UserWarning, match=r"no growth check ran in this fit of 2 epoch\(s\)") as caught:
+        trainer = _trainer(tmp_path, [grow])
+        trainer.fit(ImageClassifier(width=4, in_channels=3, num_classes=4), _dm())
+    message = next(str(w.message) for w in caught if "no growth check ran" in str(w.message))
+    assert "never plateaued" not in message and "monitor=None" not in message
+    if "every_n_epochs" in interval:
+        assert "every_n_epochs=5 is more than the 2 training epoch(s)" in message
+        assert "next check in 3 epoch(s)" in message and "a smaller every_n_epochs" in message
+    else:
+        steps = trainer.global_step
+        assert f"every_n_train_steps=1000 is more than the {steps} optimizer step(s) of this fit" in message
+        assert f"next check after {1000 - steps} more optimizer step(s)" in message
+        assert "a smaller every_n_train_steps" in message
+
+
 # -- the default monitor works on any LightningModule --------------------------------------------------
 def test_default_monitor_uses_the_loss_training_step_returns(tmp_path, caplog):
     """UserModule logs nothing: its returned loss is the default monitor's signal, and checks run."""

@@ -316,10 +316,12 @@ class GrowUntilSaturated(Callback):
         no_check = None
         if not self.history:  # the callback did nothing: say so, why, and what to change
             no_check = guidance.no_check_message(
-                monitor=self.monitor, best=self._monitor.best, wait=self._monitor.wait, patience=self.patience,
+                monitor=self.monitor if self.schedule == "converged" else None,  # periodic: no monitor gates a check
+                best=self._monitor.best, wait=self._monitor.wait, patience=self.patience,
                 mode=self.mode, min_rel_delta=self.min_rel_delta, min_stage_epochs=self.min_stage_epochs,
                 stage_epochs=self.stage_epochs, every_n_epochs=self.every_n_epochs, epochs=trainer.current_epoch,
-                waiting=self._schedule.waiting,
+                waiting=self._schedule.waiting, every_n_train_steps=self.every_n_train_steps,
+                steps=trainer.global_step,
             )  # fmt: skip
             rank_zero_warn(no_check, category=UserWarning)
         if not (self.verbose and trainer.is_global_zero):
