@@ -127,7 +127,9 @@ def main() -> None:
     p.add_argument("--train_images", type=int, default=57000)
     p.add_argument("--sweep", required=True)
     p.add_argument("--growth", required=True, nargs="+", help="periodic growth rows (tag: file stem)")
-    p.add_argument("--matched", nargs="*", default=[], help="folders of experiments/periodic_matched.py (plan.jsonl)")
+    p.add_argument("--matched", nargs="*", default=[],
+                   help="folders of experiments/periodic_matched.py (plan.jsonl), each FOLDER or FOLDER:TAG, TAG the "
+                        "growth rows (file stem) its arms were planned from (default: growth)")
     p.add_argument("--converged")
     p.add_argument("--converged_key", default="2fddbd4854ba1517")
     p.add_argument("--figure")
@@ -141,7 +143,10 @@ def main() -> None:
     for path in args.growth:
         for r in load(path):
             growth.append({**r, "tag": r.get("tag") or Path(path).stem})
-    matched = [r for folder in args.matched for r in matched_rows(Path(folder))]
+    matched = []
+    for spec in args.matched:
+        folder, _, tag = spec.partition(":")
+        matched += [{**r, "growth_tag": tag or "growth"} for r in matched_rows(Path(folder))]
     converged = [r for r in load(args.converged) if args.converged_key in r["key"]] if args.converged else []
 
     best_mean = min(statistics.mean([x["test_loss"] for x in rs]) for rs in by_blocks.values())
@@ -165,18 +170,19 @@ def main() -> None:
         print("\n| seed | growth (blocks, test loss, GFLOP incl. checks) | scratch arm | blocks | epochs | GFLOP | "
               "test loss | growth − scratch |")
         print("|---|---|---|---|---|---|---|---|")
-        deltas: dict[str, list[float]] = {}
-        for m in sorted(matched, key=lambda r: (r["seed"], r["arm"])):
-            # the arms were planned from the main split's rows (file growth.jsonl, tag "growth")
-            g = next((r for r in growth if r["seed"] == m["seed"] and r["tag"] == m.get("growth_tag", "growth")), None)
+        deltas: dict[tuple[str, str], list[float]] = {}
+        for m in sorted(matched, key=lambda r: (r["growth_tag"], r["seed"], r["arm"])):
+            # each arm was planned from the growth rows of its tag (file growth.jsonl: "growth")
+            g = next((r for r in growth if r["seed"] == m["seed"] and r["tag"] == m["growth_tag"]), None)
             if g is None:
                 continue
-            deltas.setdefault(m["arm"], []).append(g["test_loss"] - m["test_loss"])
-            print(f"| {m['seed']} | {g['blocks']}, {g['test_loss']:.4f}, {m['budget_flops'] / 1e9:,.0f} | {m['arm']} | "
+            deltas.setdefault((m["growth_tag"], m["arm"]), []).append(g["test_loss"] - m["test_loss"])
+            print(f"| {m['seed']} | {m['growth_tag']}: {g['blocks']}, {g['test_loss']:.4f}, "
+                  f"{m['budget_flops'] / 1e9:,.0f} | {m['arm']} | "
                   f"{m['arm_blocks']} | {m['epochs']} | {m['flops'] / 1e9:,.0f} | {m['test_loss']:.4f} | "
                   f"{g['test_loss'] - m['test_loss']:+.4f} |")
-        for arm, ds in sorted(deltas.items()):
-            print("\n" + paired_interval(arm, ds))
+        for (tag, arm), ds in sorted(deltas.items()):
+            print("\n" + paired_interval(f"{tag}, {arm}", ds))
     if converged:
         print("\nConverged protocol (same split, seeds): " + "; ".join(
             f"seed {r['seed']}: {r['blocks']} blocks, {r['test_loss']:.4f}, {r['flops'] / 1e9:,.0f} GFLOP"

@@ -268,6 +268,22 @@ def test_the_stopping_experiments_scratch_rule_does_not_warn_about_every_n_epoch
     assert (scratch.every_n_epochs, scratch.max_growths, fixed.every_n_epochs) == (1, 0, 3)
 
 
+def test_the_stopping_experiments_rules_keep_a_step_interval():
+    """A growth callback counting optimizer steps (every_n_train_steps) is rebuilt for the seeded
+    growth rows and the scratch rows with its interval and window, not with every_n_epochs=1 beside it
+    (which would be refused)."""
+    from growtrain.experiments.stopping import _scratch_grower, _seeded_grower
+
+    grow = GrowUntilSaturated(schedule="periodic", every_n_train_steps=890, window=2670, on_saturated="anneal")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        seeded, scratch = _seeded_grower(grow, 2), _scratch_grower(grow)
+    for rebuilt in (seeded, scratch):
+        assert (rebuilt.every_n_train_steps, rebuilt.window, rebuilt._window.unit) == (890, 2670, "step")
+        assert rebuilt._schedule.every_n_train_steps == 890
+    assert (seeded.seed, scratch.max_growths) == (2, 0)
+
+
 def test_the_stopping_experiments_seeded_growth_rule_does_not_warn_about_every_n_epochs():
     from growtrain.experiments.stopping import _seeded_grower
 

@@ -85,6 +85,19 @@ def test_stopping_experiment_rows_resume_and_summary(tmp_path):
     assert len(partial.growth) == 1 and {r["depth"] for r in partial.scratch} == {0, 1}  # summarised, nothing trained
 
 
+def test_an_option_added_later_keys_a_results_folder_only_when_set():
+    """Folders written before every_n_train_steps existed resume: at its default it is not part of
+    the options the fingerprint reads; set, it is (a step-counted run is another configuration)."""
+    from growtrain.callbacks.growth_config import GrowthConfig
+    from growtrain.experiments.stopping import file_options
+
+    epochs = file_options(GrowthConfig(schedule="periodic", every_n_epochs=2, window=6))
+    steps = file_options(GrowthConfig(schedule="periodic", every_n_train_steps=890, window=2670))
+    assert "every_n_train_steps" not in epochs and steps["every_n_train_steps"] == 890
+    assert set(steps) - set(epochs) == {"every_n_train_steps"}
+    assert not {"probe", "network", "loss_fn", "verbose"} & set(epochs)
+
+
 def test_stopping_experiment_refuses_an_unfinished_growth_arm(tmp_path):
     model = ImageClassifier(width=4, num_classes=4)
     kwargs = dict(max_epochs=1, callbacks=[GrowUntilSaturated(on_saturated="stop")])

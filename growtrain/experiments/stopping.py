@@ -49,6 +49,9 @@ __all__ = ["StoppingResult", "run_stopping", "smallest_good_depth", "stopped_by"
 # never grows, so what happens to the learning rate around a growth, lr_schedule, does not touch it).
 DECISION_OPTIONS = ("rule", "alpha", "delta", "t", "max_growths", "max_params", "seed", "lr_schedule", "min_gain",
                     "decision", "trial_epochs")  # fmt: skip
+# Options added after folders of results were written, with their default: left out of the file's
+# fingerprint while at it, so those folders resume (every_n_train_steps: the ninth session).
+NEW_OPTIONS = {"every_n_train_steps": None}
 
 
 def smallest_good_depth(by_depth: dict[int, list[float]]) -> tuple[int, int]:
@@ -138,11 +141,22 @@ class StoppingResult:
         return self.table()
 
 
+def file_options(config: GrowthConfig) -> dict:
+    """The callback's options that key a results folder (its fingerprint, with the decision's split
+    off by the caller). An option added later keys it only when set (``NEW_OPTIONS``), so folders
+    written before it was added still resume."""
+    options = {k: v for k, v in vars(config).items() if k not in ("probe", "network", "loss_fn", "verbose")}
+    for name, default in NEW_OPTIONS.items():
+        if options.get(name) == default:
+            options.pop(name)
+    return options
+
+
 def _config_with(grow: GrowUntilSaturated, **changes) -> GrowthConfig:
-    """``grow``'s options with ``changes``; ``every_n_epochs`` back to "not given" while a monitor
-    decides (``replace`` re-validates, and a given one would be warned about as having no effect)."""
-    every = None if _monitor_decides(grow.config) else grow.config.every_n_epochs
-    return replace(grow.config, every_n_epochs=every, **changes)
+    """``grow``'s options with ``changes``; ``every_n_epochs`` back to "not given" where it does not
+    time the checks (``replace`` re-validates: a given one would be warned about under a monitor,
+    and refused beside ``every_n_train_steps``)."""
+    return replace(grow.config, every_n_epochs=_every_n_epochs(grow.config), **changes)
 
 
 def _monitor_decides(config: GrowthConfig) -> bool:
@@ -150,13 +164,19 @@ def _monitor_decides(config: GrowthConfig) -> bool:
     return config.monitor is not None and config.schedule == "converged"
 
 
+def _every_n_epochs(config: GrowthConfig) -> int | None:
+    """``every_n_epochs`` as given: ``None`` (the config normalises a missing one to 1) where a
+    monitor or ``every_n_train_steps`` times the checks."""
+    return None if _monitor_decides(config) or config.every_n_train_steps is not None else config.every_n_epochs
+
+
 def _grower_from(grow: GrowUntilSaturated, **changes) -> GrowUntilSaturated:
     """A fresh callback built from ``grow``'s options with ``changes`` (its collaborators, e.g.
     the trial runner, are built from them too, so nothing is patched after construction)."""
     config = _config_with(grow, **changes)
     options = {name: getattr(config, name) for name in GrowthConfig.names()}
-    # the config normalises a missing every_n_epochs to 1: pass "not given" again under a monitor
-    return GrowUntilSaturated(**options | {"every_n_epochs": None if _monitor_decides(grow.config) else options["every_n_epochs"]})
+    # the config normalises a missing every_n_epochs to 1: pass "not given" again where it does not time the checks
+    return GrowUntilSaturated(**options | {"every_n_epochs": _every_n_epochs(grow.config)})
 
 
 def _scratch_grower(grow: GrowUntilSaturated) -> GrowUntilSaturated:
@@ -223,7 +243,7 @@ def run_stopping(
     start = int(dict(model.hparams).get(name, 0))
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    options = {k: v for k, v in vars(grow.config).items() if k not in ("probe", "network", "loss_fn", "verbose")}
+    options = file_options(grow.config)
     # The file's fingerprint holds what every row shares (model, data, trainer, the stopping rule);
     # the decision's options (rule, τ, α, …) key the growth rows only, so a τ control reuses the sweep.
     decision = {k: options.pop(k) for k in DECISION_OPTIONS}
