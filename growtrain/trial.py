@@ -86,9 +86,9 @@ def train_block(
     ids = {id(p) for p in params}
     flags = [(p, p.requires_grad) for p in module.parameters()]
     modes = [(m, m.training) for m in module.modules()]
-    # every parameter's gradient, not only the block's: under FSDP2 a frozen unit's gradient can still be
-    # reduce-scattered into its sharded parameter; the training step must find what it left
-    grads = [(p, p.grad) for p in module.parameters()]
+    # the frozen parameters get no gradient (requires_grad off; FSDP2 passes the flag on to the unsharded
+    # parameters it computes with), so the training step's gradients are untouched: tests/test_fsdp.py checks it
+    grads = [(p, p.grad) for p in params]
     done, diverged, first, last = 0, False, None, None
     try:
         for p, _ in flags:
@@ -126,7 +126,7 @@ def train_block(
             p.requires_grad_(flag)
         for m, training in modes:
             m.training = training
-        for p, grad in grads:  # the block is thrown away or replaced; leave no trial gradient behind anywhere
+        for p, grad in grads:  # the block is thrown away or replaced; leave no trial gradient behind
             p.grad = grad
     return {"steps": done, "diverged": diverged, "loss_first": first, "loss_last": last}
 

@@ -198,6 +198,7 @@ class TrialWatch:
             params = list(pl_module.parameters())
             entry = {"sum_before": _local_sum(params), "units_before": len(fsdp.fsdp_units(pl_module))}
             grads = [p.grad for p in params]
+            grad_sum = _local_sum([g for g in grads if g is not None])
             watch.seen.append(entry)
             out = watch.real(trials, trainer, pl_module, network, *args, **kwargs)
             after = list(pl_module.parameters())
@@ -205,7 +206,9 @@ class TrialWatch:
             entry.update(sum_after=_local_sum(after), units_after=len(fsdp.fsdp_units(pl_module)),
                          root_states_after=[len(r._state_ctx.all_states) for r in roots],
                          same_params=len(after) == len(params) and all(a is b for a, b in zip(after, params)),
-                         grads_kept=all(p.grad is g for p, g in zip(params, grads)))  # fmt: skip
+                         grads_kept=all(p.grad is g for p, g in zip(params, grads)),
+                         grad_sum_before=grad_sum, grad_sum_after=_local_sum([g for g in grads if g is not None]),
+                         grads_present=sum(g is not None for g in grads))  # fmt: skip
             return out
 
         trial_check.BlockTrials._one, trial_check.train_block = one, train_block
@@ -214,8 +217,9 @@ class TrialWatch:
         self.module.BlockTrials._one, self.module.train_block = self.real, self.real_train
 
 
-def _local_sum(params) -> float:
-    return float(sum(p.to_local().double().sum() if hasattr(p, "to_local") else p.double().sum() for p in params))
+def _local_sum(tensors) -> float:
+    return float(sum(t.to_local().double().abs().sum() if hasattr(t, "to_local") else t.double().abs().sum()
+                     for t in tensors))
 
 
 def run_kind(trainer) -> str:

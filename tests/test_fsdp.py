@@ -150,6 +150,8 @@ def test_block_only_trials_run_under_fsdp2_as_under_ddp_and_leave_the_network_as
         for seen in rank["trial_watch"]:
             assert seen["block_sharded"] is True  # its own FSDP unit while it trained
             assert seen["sum_after"] == seen["sum_before"] and seen["same_params"] and seen["grads_kept"]
+            # the training step's gradients, there at the check, untouched by the trial's backward
+            assert seen["grads_present"] > 0 and seen["grad_sum_after"] == seen["grad_sum_before"]
             assert seen["units_after"] == seen["units_before"]
             assert seen["root_states_after"] == [seen["units_after"]]  # the root forgot the trial block's unit
         assert rank["root_states"] == [rank["units"]]  # the root forgot every trial block's unit

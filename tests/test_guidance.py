@@ -64,7 +64,7 @@ def test_a_fit_without_a_check_warns_and_its_summary_says_why(tmp_path, monkeypa
     assert "a plateau needs patience=5 epochs in a row without an improvement larger than min_rel_delta×|best|" in message
     assert "(min_stage_epochs=2)" in message
     assert "no growth_history.json or gamma_trace.png was written" in message
-    assert "Fix: train longer (trainer.max_epochs)" in message and "monitor=None with every_n_epochs" in message
+    assert "Fix: train longer (trainer.max_epochs or max_steps)" in message and "monitor=None with every_n_epochs" in message
     assert grow.history == [] and not (tmp_path / "growth_history.json").exists()
     (summary,) = printed
     assert "no growth check ran" in summary and "never plateaued" in summary

@@ -471,3 +471,44 @@ def test_a_fit_bounded_by_max_steps_ends_growth_in_time_to_anneal(tmp_path, alwa
     assert trainer.global_step == (last + 1 + 3) * per_epoch < max_steps
     cosine = [0.1 * 0.5 * (1 + math.cos(math.pi * (k + 1) / 4)) for k in range(3)]
     assert lr.lrs[last + 1:] == pytest.approx(cosine)
+
+
+def test_a_step_count_left_from_an_earlier_fit_counts_from_the_new_start(tmp_path):
+    """A callback reused in a second fit: the trainer's step count starts again at 0, so the last
+    check's step (500, from the first fit) must not push the next check 500 steps away."""
+    L.seed_everything(0)
+    grow = GrowUntilSaturated(schedule="periodic", every_n_train_steps=12, window=24, min_gain=0.01, verbose=False)
+    grow._schedule.last_check_step = 500
+    trainer = L.Trainer(max_epochs=3, callbacks=[grow], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                        default_root_dir=tmp_path)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3)
+    dm = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=416, synthetic_classes=4, probe_size=120,
+                         val_size=40, batch_size=32, augment=False)  # fmt: skip
+    trainer.fit(model, dm)
+    assert [h["step"] for h in grow.history] == [16]  # 8 steps an epoch: the first epoch end >= 12 steps from 0
+
+
+def test_a_step_budget_the_anneal_cannot_be_reserved_in_is_warned_about():
+    """A loader without a length: the steps of an epoch are unknown, so the final anneal cannot be
+    reserved inside max_steps; the fit says so at its start, with the fix (and an epoch budget or a
+    fit that does not anneal is not warned about)."""
+    from types import SimpleNamespace
+
+    from growtrain.callbacks.anneal import LrAnneal
+    from growtrain.callbacks.monitor import StageMonitor
+    from growtrain.callbacks.schedule import CheckSchedule
+
+    def schedule(on_saturated="anneal"):
+        return CheckSchedule(kind="periodic", every_n_epochs=1, min_stage_epochs=1, lr_schedule="continue",
+                             on_saturated=on_saturated, monitor=StageMonitor(None, "min", 1, 0.0), anneal=LrAnneal(2))
+
+    def trainer(max_steps, batches):
+        return SimpleNamespace(max_epochs=-1, max_steps=max_steps, current_epoch=0, global_step=0,
+                               num_training_batches=batches, accumulate_grad_batches=1)  # fmt: skip
+
+    why = schedule().no_room(trainer(1000, float("inf")), None)
+    assert why.startswith("max_steps=1000 bounds this fit, but the training loader has no length") and "Fix:" in why
+    assert schedule().no_room(trainer(1000, 50), None) is None  # 20 epochs of 50 steps: room to grow
+    assert schedule("stop").no_room(trainer(1000, float("inf")), None) is None
+    assert schedule().no_room(trainer(-1, float("inf")), None) is None

@@ -218,6 +218,8 @@ class GrowUntilSaturated(Callback):
         self.restart_pending = bool(state_dict.get("restart_pending", False))
         self.start_depth = state_dict.get("start_depth")
         self._schedule.load_state_dict(state_dict)
+        if "last_check_step" not in state_dict and self.history:  # an older checkpoint: its last check's step
+            self._schedule.last_check_step = int(self.history[-1].get("step") or 0)
         if self._decider.key is not None:
             self._decider.load_state_dict(state_dict.get(self._state_key, {}))
         if state_dict.get("gain_reference") is not None and self.finished is None:
@@ -245,6 +247,8 @@ class GrowUntilSaturated(Callback):
             self._network = self._resolve_network(pl_module, required=True)
         if self.start_depth is None:
             self.start_depth = self._depth(self._network)
+        # a callback reused in a new fit (its step count starts again at 0) counts from the new start
+        self._schedule.last_check_step = min(self._schedule.last_check_step, int(trainer.global_step))
         if self.lr_schedule == "anneal" and (self.finished is None or self._anneal.active):
             refuse_scheduler(trainer, editor.optimizer_for(trainer, self._network))
         why = self._schedule.no_room(trainer, self.finished)

@@ -103,7 +103,7 @@ class GrowthConfig:
     # instead of every_n_epochs: a check at the first epoch end this many optimizer steps after the last; the
     # window then counts optimizer steps too (the same pace per step on any amount of data)
     every_n_train_steps: int | None = None
-    window: int = 6  # schedule="periodic": the stop rule's window J, in epochs (the study's J = 3K, K = 2)
+    window: int = 6  # schedule="periodic": the stop rule's window J, in epochs or steps (the study's J = 3K, K = 2)
     monitor: str | None = "train_loss"
     mode: Literal["min", "max"] = "min"
     patience: int = 3

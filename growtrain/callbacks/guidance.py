@@ -50,7 +50,7 @@ def no_check_message(*, monitor: str | None, best: float | None, wait: int, pati
         why = f"the check due after every_n_epochs={every_n_epochs} epoch(s) had not run when the fit ended"
     if waiting:
         why += f"; at the last epoch: {waiting}"
-    fixes = ["train longer (trainer.max_epochs)"]
+    fixes = ["train longer (trainer.max_epochs or max_steps)"]
     if epochs > 0 and monitor is not None:  # no epoch trained: only training at all helps
         fixes += [f"a smaller patience (now {patience}) or a larger min_rel_delta (now {min_rel_delta:g})",
                   "monitor=None with every_n_epochs=N to check on a fixed schedule"]  # fmt: skip

@@ -86,7 +86,7 @@ class CheckSchedule:
     ``"periodic"`` (every ``every_n_epochs`` at the constant rate; with ``every_n_train_steps``, at
     the first epoch end at least that many optimizer steps after the last check, so the same
     settings grow at the same pace per step on any size of data). Under both the final anneal is
-    reserved inside ``max_epochs``, and after growth ends it runs here too.
+    reserved inside ``max_epochs`` and ``max_steps``, and after growth ends it runs here too.
 
     The callback asks it at every train-epoch end what to do (:meth:`epoch_end`); its state (the
     counters, the plateau's, the anneal's) travels in the callback's checkpoint under the keys of
@@ -154,7 +154,14 @@ class CheckSchedule:
                               finished, **self._steps(trainer))  # fmt: skip
 
     def no_room(self, trainer: Any, finished: str | None) -> str | None:
-        """At the start of training: why the budget leaves no epoch to grow in, or ``None``."""
+        """At the start of training: why the budget leaves no epoch to grow in (or why the final
+        anneal cannot be reserved inside ``max_steps``), or ``None``."""
+        steps = self._steps(trainer)
+        if steps and steps["per_epoch"] is None and _anneal_follows(self.on_saturated, finished):
+            return (f"max_steps={steps['max_steps']} bounds this fit, but the training loader has no length, so the "
+                    "final anneal cannot be reserved inside it (only max_epochs ends growth in time) and max_steps may "
+                    "cut the anneal short. Fix: give the loader a length (or set limit_train_batches), or bound the fit "
+                    "by max_epochs.")  # fmt: skip
         return no_room(trainer.max_epochs, trainer.current_epoch, self.anneal.epochs, self.on_saturated, finished,
                        **self._steps(trainer))  # fmt: skip
 
