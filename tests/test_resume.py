@@ -61,6 +61,9 @@ SCHEDULES = {
     "continue": (lambda opt: MultiStepLR(opt, milestones=[2, 4], gamma=0.5), 3),
     # crash at epoch 2's start: the checkpoint of epoch 1 holds a pending scheduler restart
     "restart": (lambda opt: StepLR(opt, step_size=1, gamma=0.7), 2),
+    # checks counted in optimizer steps (5 an epoch, a check 8 steps after the last: epochs 1 and 3);
+    # crash at epoch 2's start: a resume that lost the last check's step (10) would check at epoch 2
+    "steps": (lambda opt: MultiStepLR(opt, milestones=[2, 4], gamma=0.5), 2),
 }
 
 
@@ -72,7 +75,9 @@ def _run(root: Path, mode: str, *, crash: int | None = None, ckpt: str | None = 
     module = ImageClassifier(width=4, num_classes=4, optimizer=lambda p: torch.optim.AdamW(p, lr=5e-3),
                              lr_scheduler=scheduler)  # fmt: skip
     # t tiny: every check grows; checks at the ends of epochs 1 and 3
-    grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e-9, every_n_epochs=2, max_growths=2, lr_schedule=mode, verbose=False)
+    every = ({"every_n_train_steps": 8, "schedule": "periodic", "window": 8, "min_gain": None, "lr_schedule": "continue"}
+             if mode == "steps" else {"every_n_epochs": 2, "lr_schedule": mode})  # steps: the rule decides
+    grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e-9, max_growths=2, verbose=False, **every)
     callbacks = [grow, ModelCheckpoint(dirpath=root, save_last=True, every_n_epochs=1)]
     if crash is not None:
         callbacks.append(Crash(crash))
@@ -97,6 +102,8 @@ def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, mode):
     full, full_cb, full_trainer = _run(tmp_path / "full", mode)
     assert [h["action"] for h in full_cb.history] == ["grow", "grow"]
     assert [h["epoch"] for h in full_cb.history] == [1, 3]
+    if mode == "steps":
+        assert [h["step"] for h in full_cb.history] == [10, 20]
 
     crashed, crashed_cb, _ = _run(tmp_path / "crashed", mode, crash=SCHEDULES[mode][1])
     assert len(crashed.network.growth_log) == 1  # it crashed after the first growth only
