@@ -512,3 +512,18 @@ def test_a_step_budget_the_anneal_cannot_be_reserved_in_is_warned_about():
     assert schedule().no_room(trainer(1000, 50), None) is None  # 20 epochs of 50 steps: room to grow
     assert schedule("stop").no_room(trainer(1000, float("inf")), None) is None
     assert schedule().no_room(trainer(-1, float("inf")), None) is None
+
+
+def test_the_steps_of_an_epoch_are_the_optimizer_steps_lightning_takes(tmp_path):
+    """steps_per_epoch against Lightning's own count: 7 batches with gradients accumulated over 2
+    take 4 optimizer steps (the last, partial accumulation steps too)."""
+    from growtrain.callbacks.schedule import steps_per_epoch
+
+    trainer = L.Trainer(max_epochs=1, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                        default_root_dir=tmp_path)  # fmt: skip
+    dm = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=384, synthetic_classes=4, probe_size=120,
+                         val_size=40, batch_size=32, augment=False)  # 224 training images: 7 batches  # fmt: skip
+    trainer.fit(ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3), dm)
+    assert trainer.num_training_batches == 7
+    assert steps_per_epoch(trainer) == trainer.global_step == 4
