@@ -222,7 +222,7 @@ def test_a_fit_of_no_epoch_warns_once_shows_its_depth_and_names_only_files_it_wr
     package = Path(growtrain.__file__).parent
     ours = [str(w.message) for w in caught if Path(w.filename).resolve().is_relative_to(package)]
     assert len(ours) == 1 and ours[0].startswith("GrowUntilSaturated: no growth check ran in this fit of 0 epoch(s)")
-    assert ours[0].endswith("Fix: train longer (trainer.max_epochs).")  # no plateau advice: no epoch was judged
+    assert ours[0].endswith("Fix: train longer (trainer.max_epochs or max_steps).")  # no plateau advice: no epoch was judged
     (summary,) = printed
     assert summary.startswith("GrowUntilSaturated: depth 3 → 3: no growth check ran — no training epoch ended")
     assert "the warning above says what to change" in summary
