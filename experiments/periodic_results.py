@@ -211,6 +211,8 @@ def main() -> None:
         ax.step([x for x, _ in frontier], [y for _, y in frontier], where="post", color="0.4", lw=1,
                 label="best scratch at ≤ F (sweep + matched arms □)")  # fmt: skip
         for r in growth:
+            if "25pct" in r["tag"]:  # another training set: not on the full data's scratch frontier
+                continue
             ax.scatter([r["flops"] / 1e9], [r["test_loss"]], marker="*", s=160, edgecolors="k",
                        label=f"{r['tag']} seed {r['seed']} ({r['blocks']} blocks)")  # fmt: skip
         for r in converged:
