@@ -1,8 +1,8 @@
 """When growth must end so that the final phase fits: pure functions of the budget.
 
 With ``on_saturated="anneal"`` the final anneal (``anneal_epochs``) is reserved inside
-``max_epochs`` and ``max_steps`` (as whole epochs of optimizer steps) under both schedules (converged and periodic): once no more than that is left,
-growth ends as a budget and the anneal trains the network handed over, so no fit hands over a
+``max_epochs`` and ``max_steps`` (as whole epochs of optimizer steps) under both schedules
+(converged and periodic): once no more than that is left, growth ends as a budget and the anneal trains the network handed over, so no fit hands over a
 network cut mid-stage. ``CheckSchedule``: the schedule part of the callback (when a check comes,
 what the rate does), built from these and the plateau (``StageMonitor``) and anneal (``LrAnneal``).
 No Lightning import here: the callback passes the trainer.
@@ -35,15 +35,16 @@ def steps_per_epoch(trainer: Any) -> int | None:
 
 
 def _epochs_left(max_epochs: int | None, current_epoch: int, max_steps: int | None, global_step: int,
-                 per_epoch: int | None) -> tuple[int, str] | None:  # fmt: skip
-    """Whole epochs the budget leaves after epoch ``current_epoch``, and the budget that binds:
-    ``max_epochs``, or ``max_steps`` over ``per_epoch`` optimizer steps an epoch."""
+                 per_epoch: int | None) -> tuple[int, str, str] | None:  # fmt: skip
+    """Whole epochs the budget leaves after epoch ``current_epoch``, the budget that binds
+    (``"max_epochs"``, or ``"max_steps"`` over ``per_epoch`` optimizer steps an epoch) and its figures."""
     left = []
     if max_epochs is not None and max_epochs >= 0:
-        left.append((max_epochs - (current_epoch + 1), f"max_epochs={max_epochs}"))
+        left.append((max_epochs - (current_epoch + 1), "max_epochs", f"max_epochs={max_epochs}"))
     if max_steps is not None and max_steps >= 0 and per_epoch:
         steps = max_steps - global_step
-        left.append((steps // per_epoch, f"max_steps={max_steps} ({steps} step(s) left, {per_epoch} an epoch)"))
+        left.append((steps // per_epoch, "max_steps",
+                     f"max_steps={max_steps} ({steps} step(s) left, {per_epoch} an epoch)"))
     return min(left) if left else None
 
 
@@ -58,7 +59,7 @@ def final_reserved(max_epochs: int | None, current_epoch: int, anneal_epochs: in
     budget = _epochs_left(max_epochs, current_epoch, max_steps, global_step, per_epoch)
     if budget is None or budget[0] > anneal_epochs:
         return None
-    left, which = budget
+    left, _, which = budget
     return (f"{which}: the last {anneal_epochs} epoch(s) are reserved for the final anneal "
             f"({left} whole epoch(s) left after epoch {current_epoch})")  # fmt: skip
 
@@ -73,10 +74,10 @@ def no_room(max_epochs: int | None, current_epoch: int, anneal_epochs: int, on_s
     budget = _epochs_left(max_epochs, current_epoch - 1, max_steps, global_step, per_epoch)
     if budget is None or budget[0] > anneal_epochs + 1:
         return None
-    raise_it = "max_steps" if budget[1].startswith("max_steps") else "max_epochs"
-    return (f"{budget[1]} leaves no epoch to grow in: the last anneal_epochs={anneal_epochs} are reserved for the "
+    _, name, which = budget
+    return (f"{which} leaves no epoch to grow in: the last anneal_epochs={anneal_epochs} are reserved for the "
             "final anneal (on_saturated='anneal'), so growth ends at the first epoch as a budget. "
-            f"Fix: raise {raise_it}, lower anneal_epochs, or pass on_saturated='stop'.")  # fmt: skip
+            f"Fix: raise {name}, lower anneal_epochs, or pass on_saturated='stop'.")  # fmt: skip
 
 
 class CheckSchedule:
