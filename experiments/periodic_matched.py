@@ -65,6 +65,22 @@ def growth_flops(row: dict, probe_size: int, start=(1, 1, 1)) -> float:
     return float(row["flops"]) + checks
 
 
+def train_scratch(out: Path, name: str, *, seed: int, epochs: int, sizes: list[int], config: str,
+                  overrides: list[str]) -> None:  # fmt: skip
+    """One scratch arm: ``growtrain stopping`` with ``max_growths=0`` under the config's schedule (the
+    constant rate, then its final anneal) for ``epochs`` epochs, into ``out/name`` (resumable)."""
+    cb = "--trainer.callbacks.init_args"
+    cmd = ["growtrain", "stopping", "--config", config, "--skip_scratch=true", f"--seeds=[{seed}]",
+           f"--output_dir={out / name}", f"--trainer.default_root_dir={out / name}",
+           f"--trainer.max_epochs={epochs}", f"--model.init_args.blocks=[{','.join(map(str, sizes))}]",
+           f"{cb}.max_growths=0", f"{cb}.every_n_epochs=1000", f"{cb}.every_n_train_steps=null", f"{cb}.window=1000",
+           *overrides]  # fmt: skip
+    print(" ".join(cmd), flush=True)
+    with open(out / f"{name}.log", "a") as log:
+        subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", help="a periodic growth run's output folder (with runs.jsonl)")
@@ -94,16 +110,7 @@ def main() -> None:
                     "growth_blocks": row["blocks"], "growth_test_loss": row["test_loss"]}  # fmt: skip
             with open(out / "plan.jsonl", "a") as f:
                 f.write(json.dumps(plan) + "\n")
-            cb = "--trainer.callbacks.init_args"
-            cmd = ["growtrain", "stopping", "--config", args.config, "--skip_scratch=true", f"--seeds=[{seed}]",
-                   f"--output_dir={out / name}", f"--trainer.default_root_dir={out / name}",
-                   f"--trainer.max_epochs={epochs}", f"--model.init_args.blocks=[{','.join(map(str, sizes))}]",
-                   f"{cb}.max_growths=0", f"{cb}.every_n_epochs=1000", f"{cb}.every_n_train_steps=null", f"{cb}.window=1000",
-                   *overrides]  # fmt: skip
-            print(" ".join(cmd), flush=True)
-            with open(out / f"{name}.log", "a") as log:
-                subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
-                               env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+            train_scratch(out, name, seed=seed, epochs=epochs, sizes=sizes, config=args.config, overrides=overrides)
 
 
 if __name__ == "__main__":

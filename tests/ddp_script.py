@@ -92,7 +92,8 @@ class AfterCheck(L.Callback):
             torch.save(blocks[0].state_dict(), os.path.join(self.out, f"inserted{trainer.global_rank}.pt"))
 
 
-def fit(out: str, epochs: int, same_buffers: bool, trial_gain: float | None = None, periodic: bool = False) -> None:
+def fit(out: str, epochs: int, same_buffers: bool, trial_gain: float | None = None, periodic: bool = False,
+        fork: bool = False) -> None:  # fmt: skip
     os.makedirs(out, exist_ok=True)
     L.seed_everything(0)
     data = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=400, synthetic_classes=4,
@@ -107,6 +108,8 @@ def fit(out: str, epochs: int, same_buffers: bool, trial_gain: float | None = No
         # losses broadcast) and pairs them with a window ago; the second check (epoch 1) judges epoch 0's
         decision = {"schedule": "periodic", "decision": "window", "window": 1, "min_gain": 0.0, "on_saturated": "anneal",
                     "anneal_epochs": 1}  # fmt: skip
+    if fork:  # the paired fork: each rank's arm steps on its own batches, gradients averaged; every fork "pays"
+        decision = {"schedule": "periodic", "decision": "fork", "window": 1, "min_gain": 0.0, "on_saturated": "continue"}
     grow = GrowUntilSaturated(monitor=None, rule="crossfit", max_growths=2, every_n_epochs=1, **decision,
                               verbose=False)  # fmt: skip
     snapshot = Snapshot(out, same_buffers)
@@ -143,6 +146,7 @@ def main() -> None:
     parser.add_argument("--then-no-rewrap", metavar="OUT",
                         help="afterwards, in the same processes, the --no-rewrap fit into OUT (saves a launch)")
     parser.add_argument("--then-window", metavar="OUT", help="afterwards, the periodic schedule's window rule into OUT")
+    parser.add_argument("--then-fork", metavar="OUT", help="afterwards, decision='fork' (every fork adopted) into OUT")
     parser.add_argument("--then-trial", metavar="OUT", nargs=2,
                         help="afterwards, the trial decision: an impossible min_gain into OUT1, min_gain=0 into OUT2")
     args = parser.parse_args()
@@ -160,6 +164,15 @@ def main() -> None:
         fit(args.then_trial[1], 2, False, trial_gain=0.0)
     if args.then_window:
         fit(args.then_window, 4, False, periodic=True)
+    if args.then_fork:
+        from dataclasses import replace
+
+        from growtrain.callbacks import fork_check
+
+        real = fork_check.fork_verdict
+        fork_check.fork_verdict = lambda test, **k: real(test, **k) if test is None else replace(
+            real(test, **k), saturated=False, site=k["site"])  # fmt: skip
+        fit(args.then_fork, 4, False, fork=True)
 
 
 if __name__ == "__main__":

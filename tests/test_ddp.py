@@ -84,11 +84,24 @@ def _results(proc: subprocess.Popen, out: Path) -> list[dict]:
 def ddp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp")
     proc = _launch(root / "sync", "--same-buffers", "--then-no-rewrap", str(root / "no_rewrap"),
-                   "--then-trial", str(root / "trial_fail"), str(root / "trial_grow"), "--then-window", str(root / "window"))
+                   "--then-trial", str(root / "trial_fail"), str(root / "trial_grow"), "--then-window", str(root / "window"),
+                   "--then-fork", str(root / "fork"))
     read = lambda name: [json.loads((root / name / f"rank{r}.json").read_text()) for r in (0, 1)]  # noqa: E731
     return {"sync": (_results(proc, root / "sync"), root / "sync"), "no_rewrap": (read("no_rewrap"), root / "no_rewrap"),
             "trial_fail": (read("trial_fail"), None), "trial_grow": (read("trial_grow"), None),
-            "window": (read("window"), root / "window")}  # fmt: skip
+            "window": (read("window"), root / "window"), "fork": (read("fork"), root / "fork")}  # fmt: skip
+
+
+def test_the_fork_trains_one_arm_on_every_rank_and_adopts_it_alike(ddp_runs):
+    """decision='fork' under DDP: each rank's arm steps on its own batches with its gradients
+    averaged, so the ranks judge one arm (one verdict, rank 0's figures) and, adopting it, hold
+    identical parameters; forks keep opening after each adoption until max_growths."""
+    (r0, r1), _ = ddp_runs["fork"]
+    actions = [h["action"] for h in r0["history"]]
+    assert actions[:3] == ["fork", "grow", "grow"] and actions == [h["action"] for h in r1["history"]]
+    assert [h.get("fork") for h in r0["history"]] == [h.get("fork") for h in r1["history"]]
+    assert r0["growth_log"] == r1["growth_log"] and len(r0["growth_log"]) == 2
+    assert r0["checksum"] == r1["checksum"]
 
 
 def test_the_periodic_window_rule_decides_alike_on_every_rank_from_the_whole_probe(ddp_runs):

@@ -118,7 +118,7 @@ def test_at_most_26_options_none_removed_and_the_callback_takes_exactly_them():
     assert {n: signature[n].default for n in names} == defaults
     grow = GrowUntilSaturated(verbose=False)
     assert not any(hasattr(grow, n) for n in REMOVED_OPTIONS)  # no attribute left behind either
-    assert DECISIONS == ("trial", "window", "rule")
+    assert DECISIONS == ("trial", "window", "rule", "fork")
 
 
 def test_the_removed_values_of_kept_options_are_refused_with_the_fix():
@@ -130,7 +130,7 @@ def test_the_removed_values_of_kept_options_are_refused_with_the_fix():
         with pytest.raises(ValueError) as info:
             GrowUntilSaturated(**kwargs)
         message = str(info.value)
-        assert message.startswith("decision: expected one of ('trial', 'window', 'rule'); got 'gain'. "
+        assert message.startswith("decision: expected one of ('trial', 'window', 'rule', 'fork'); got 'gain'. "
                                   "Fix: pass decision='trial'"), message  # fmt: skip
         assert "schedule='periodic'" in message.split("Fix:")[1]
 

@@ -35,7 +35,7 @@ SHRINK = [
 
 # What a check decided and every figure it decided on (growth_history.json's fields)
 DECISION = ("check", "epoch", "step", "action", "site", "sites", "depth", "saturated", "gamma", "threshold", "lower",
-            "margin", "reason", "trial", "window", "verdicts", "site_scores")  # fmt: skip
+            "margin", "reason", "trial", "window", "fork", "verdicts", "site_scores")  # fmt: skip
 
 # The periodic schedule on the same cut-down quickstart: a check every 2 epochs at the constant rate,
 # the window rule over 4 epochs (its kept probe losses travel in the checkpoint), one final anneal
@@ -107,3 +107,28 @@ def test_a_stopped_and_resumed_quickstart_makes_the_uninterrupted_checks(tmp_pat
     with open(whole_run / "metrics.csv", newline="") as a, open(run / "metrics.csv", newline="") as b:
         assert len(list(csv.DictReader(a))) == len(list(csv.DictReader(b)))  # no row twice, none lost
     assert (run / "growth_history.json").read_text() == (whole_run / "growth_history.json").read_text()
+
+
+# decision="fork": the arm opened at a check trains on every batch until the next; the fit is cut in the middle
+FORK = ["--trainer.callbacks.schedule=periodic", "--trainer.callbacks.every_n_epochs=2",
+        "--trainer.callbacks.decision=fork", "--trainer.callbacks.lr_schedule=continue"]  # fmt: skip
+
+
+def test_a_fit_cut_while_a_fork_is_open_resumes_into_the_same_fork_and_decisions(tmp_path):
+    """The arm (its weights, its optimizer state, its scoring sums so far) travels in last.ckpt: cut
+    one epoch into a fork's two-epoch horizon, the resumed fit judges the same fork with the same
+    figures and makes every later check the uninterrupted fit made."""
+    whole = GrowtrainCLI(args=_args(tmp_path / "whole", *FORK))
+    expected = _decisions(_grower(whole.trainer).history)
+    assert expected[0]["action"] == "fork" and any((r.get("fork") or {}).get("gain_frac") is not None
+                                                   for r in expected[1:]), expected  # fmt: skip
+    stop = expected[0]["epoch"] + 1  # half-way through the first fork
+    stopped = GrowtrainCLI(args=_args(tmp_path / "resumed", *FORK)[1:], run=False)
+    stopped.trainer.callbacks.append(StopAtEpochEnd(stop))
+    stopped.trainer.fit(stopped.model, datamodule=stopped.datamodule)
+    last = Path(stopped.trainer.log_dir) / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["callbacks"]  # the fork's arm is in there (checked below by its effect)
+    resumed = GrowtrainCLI(args=_args(tmp_path / "resumed", *FORK, f"--ckpt_path={last}"))
+    assert _decisions(_grower(resumed.trainer).history) == expected
+    for (name, a), (_, b) in zip(whole.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), name

@@ -4,8 +4,9 @@ Three parts, each with one interface (docs/design.md draws one check's data flow
 
     schedule  — when a check comes: a converged stage (StageMonitor's plateau, LrAnneal's stage
                 anneal) or every K epochs (periodic); the final anneal reserved (schedule.py)
-    decision  — what a check measured → a Verdict: BlockTrials (trial), WindowRule (window), or the
-                first-order rule of measure_saturation (rule); decide_growth applies the budgets
+    decision  — what a check measured → a Verdict: BlockTrials (trial), WindowRule (window), PairedFork
+                (fork: its arm also trains on every batch between checks), or the first-order rule of
+                measure_saturation (rule); decide_growth applies the budgets
     editor    — grow (function-preserving, verified, rolled back on failure), zero-state optimizer
                 groups, DDP re-wrap (editor.py)
 
@@ -33,10 +34,11 @@ from growtrain import decision as dec
 from growtrain.callbacks import editor, guidance, probe_check, sharded, telemetry
 from growtrain.callbacks.anneal import LrAnneal, refuse_scheduler
 from growtrain.callbacks.editor import FunctionChangedError
+from growtrain.callbacks.fork_check import PairedFork
 from growtrain.callbacks.growth_config import REMOVED, GrowthConfig, removed_message
 from growtrain.callbacks.monitor import StageMonitor
 from growtrain.callbacks.probe_data import Converted, Fingerprinted, check_probe_setup, first_input
-from growtrain.callbacks.schedule import CheckSchedule
+from growtrain.callbacks.schedule import CheckSchedule, steps_per_epoch
 from growtrain.callbacks.rule_check import FirstOrderRule
 from growtrain.callbacks.trial_check import BlockTrials
 from growtrain.callbacks.window_check import WindowRule
@@ -44,6 +46,7 @@ from growtrain.growable import probe_loss_for, resolve_network
 from growtrain.plots import outcome
 from growtrain.reconfigure import restart_schedulers
 from growtrain.saturation import SaturationReport
+from growtrain.saturation_report import best_scored_site
 from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_HOLDOUT, DEFAULT_TRIAL_LR, TRIAL_SITES
 
 __all__ = ["GrowUntilSaturated", "FunctionChangedError"]
@@ -97,7 +100,9 @@ class GrowUntilSaturated(Callback):
             ranks the sites otherwise; every check reports every verdict.
         min_gain: the fraction of the held-out loss a trial block (trial) or the last ``window``
             epochs (window) must certifiably gain for growth to go on; ``None``: the rule alone.
-        decision: ``"trial"`` (converged default), ``"window"`` (periodic default) or ``"rule"``.
+        decision: ``"trial"`` (converged default), ``"window"`` (periodic default), ``"rule"``, or
+            ``"fork"`` (periodic): the run against a copy with one more block, trained on the same
+            batches until the next check, compared on the probe (growtrain/fork.py).
         trial_epochs: epochs of the training loader a trial block trains for (Adam, ≥ 100 steps).
         max_growths, max_params: budgets; reaching one ends growth (reason "budget").
         on_saturated: when growth ends: ``"stop"``, ``"continue"`` at that depth, or ``"anneal"``
@@ -135,7 +140,7 @@ class GrowUntilSaturated(Callback):
         t: float | None = None,
         rule: Literal["paper", "crossfit"] | None = None,
         min_gain: float | None = dec.DEFAULT_MIN_GAIN,
-        decision: Literal["trial", "window", "rule"] | None = None,
+        decision: Literal["trial", "window", "rule", "fork"] | None = None,
         trial_epochs: float = DEFAULT_TRIAL_EPOCHS,
         max_growths: int | None = None,
         max_params: int | None = None,
@@ -174,9 +179,13 @@ class GrowUntilSaturated(Callback):
             "window": lambda: WindowRule(window=self.window, min_gain=self.min_gain, seed=self.seed,
                                          unit="epoch" if self.every_n_train_steps is None else "step"),
             "rule": FirstOrderRule,
+            "fork": lambda: PairedFork(min_gain=self.min_gain, seed=self.seed, horizon=(
+                f"{self.every_n_epochs} epoch(s)" if self.every_n_train_steps is None
+                else f"{self.every_n_train_steps}+ optimizer step(s)")),
         }[self.decision]()  # fmt: skip
         self._trials = self._decider if isinstance(self._decider, BlockTrials) else None
         self._window = self._decider if isinstance(self._decider, WindowRule) else None
+        self._fork = self._decider if isinstance(self._decider, PairedFork) else None
         self._reset_state()
         self.probe_seconds = 0.0  # wall time inside measure_saturation, this process (not saved)
         self._pass_losses: list | None = None  # per-sample probe losses from the last pass (window)
@@ -233,6 +242,14 @@ class GrowUntilSaturated(Callback):
         if stage != "fit":
             return
         sharded.check_strategy(trainer)
+        if self._fork is not None and sharded.is_model_parallel(trainer.strategy):
+            raise RuntimeError("strategy: decision='fork' trains a full copy of the network beside the run, which is "
+                               "not sharded under FSDP2 (ModelParallelStrategy). Fix: use strategy='ddp' or one device, "
+                               "or decision='window' under FSDP2.")  # fmt: skip
+        if self._fork is not None and getattr(trainer.precision_plugin, "scaler", None) is not None:
+            raise RuntimeError(f"precision: decision='fork' does not scale the arm's loss, so under "
+                               f"precision={trainer.precision!r} (a loss-scaled float16) its gradients could underflow. "
+                               "Fix: pass precision='bf16-mixed' or '32-true', or decision='window'.")  # fmt: skip
         self._network = self._resolve_network(pl_module, required=not self._builds_late(pl_module))
         if sharded.is_model_parallel(trainer.strategy):  # resume: grow to the checkpoint's depth before the shards load
             sharded.install_resume(trainer, lambda: self._network or self._resolve_network(pl_module, required=True))
@@ -283,6 +300,23 @@ class GrowUntilSaturated(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
         self._monitor.batch_end(outputs)
+        if self._fork is not None and self._fork.site is not None:  # the fork's arm trains on the same batch
+            self._fork.batch_end(trainer, pl_module, self._network, editor.optimizer_for(trainer, self._network),
+                                 batch, self._loss, marks=self._fork.marks(horizon := self._horizon_steps(trainer)),
+                                 score=lambda: self._fork_score(trainer, pl_module), horizon_steps=horizon)  # fmt: skip
+
+    def _horizon_steps(self, trainer: Trainer) -> int | None:
+        """Optimizer steps from one check to the next (the fork's horizon)."""
+        if self.every_n_train_steps is not None:
+            return int(self.every_n_train_steps)
+        per_epoch = steps_per_epoch(trainer)
+        return None if per_epoch is None else per_epoch * self.every_n_epochs
+
+    def _fork_score(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Score both sides of the fork on the probe mid-horizon (on a fork of the generators: the
+        probe loader's iterator must not move the training data order)."""
+        with probe_check.forked_rng(trainer, next(self._network.parameters()).device):  # timed by batch_end
+            self._fork._score(trainer, pl_module, self._network, self._probe_loader(trainer, shard=False), self._loss)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         what = self._schedule.epoch_end(trainer, finished=self.finished, budget=lambda: self._budget_reason(trainer),
@@ -371,6 +405,7 @@ class GrowUntilSaturated(Callback):
             record["annealed"] = True
         blocked = self._budget_reason(trainer)
         report, sites, certified = None, [], False
+        opened = None
         if blocked is not None:  # known before probing: save the probe
             action, reason = "budget", blocked
         else:
@@ -382,16 +417,31 @@ class GrowUntilSaturated(Callback):
             self._pass_losses, self._pass_probe = None, None
             if entry is not None:
                 record[self._decider.key] = entry
-            action, reason, sites = dec.decide_growth(
-                saturated=verdict.saturated, ranked=ranked, reason=verdict.reason,
-                block_params={s: telemetry.count_params(report.record(s).block) for s in ranked},
-                growths=self.growths, max_growths=self.max_growths, params=params, max_params=self.max_params,
-            )  # fmt: skip
+            if self._fork is not None and entry.get("open_new"):  # no fork was open: open one, decide nothing
+                opened = entry["open_new"] if isinstance(entry["open_new"], str) else best_scored_site(report)
+                action, reason, sites = "fork", f"{verdict.reason} (site {opened})", []
+            else:
+                action, reason, sites = dec.decide_growth(
+                    saturated=verdict.saturated, ranked=ranked, reason=verdict.reason,
+                    block_params={s: telemetry.count_params(report.record(s).block) for s in ranked},
+                    growths=self.growths, max_growths=self.max_growths, params=params, max_params=self.max_params,
+                )  # fmt: skip
             certified = verdict.certified  # only where the verdict's upper bound was below its margin
         if action == "grow":
             record.update(self._grow(trainer, pl_module, network, report, sites))
-        else:
+            if self._fork is not None:  # the run takes the arm (its training is kept), then forks again
+                self._fork.adopt(network, editor.optimizer_for(trainer, network))
+                if dec.budget_reason(growths=self.growths, max_growths=self.max_growths,
+                                     params=telemetry.count_params(network), max_params=self.max_params) is None:
+                    opened = best_scored_site(self._measure(trainer, pl_module, network))
+        elif action != "fork":
+            if self._fork is not None:
+                self._fork.close()
             self._finish(trainer, action, reason, annealed, certified)
+        if opened is not None:
+            self._fork.open(pl_module, network, editor.optimizer_for(trainer, network), opened,
+                            epoch=trainer.current_epoch, step=trainer.global_step)
+            record.setdefault("fork", {})["next_site"] = opened
         record.update(telemetry.check_record(report, action, reason, sites, network, self._depth(network),
                                              certified=certified))  # fmt: skip
         if isinstance(record.get("verdicts"), dict) and self._decider.key in record:

@@ -26,7 +26,9 @@ MODES = ("min", "max")
 # "trial": every check trains candidate blocks alone and grows iff one certifies min_gain (the default,
 # docs/decision.md); "window" (schedule="periodic"): the growing run's own paired gain over the last
 # `window` epochs (growtrain/window.py); "rule": the first-order rule alone.
-DECISIONS = ("trial", "window", "rule")
+# "fork" (schedule="periodic"): the run against a copy with one more block, trained on the same batches until the
+# next check, compared on the probe (growtrain/fork.py).
+DECISIONS = ("trial", "window", "rule", "fork")
 # The first-order rules a check decides or chooses its site by (the relative rule stays a reported verdict of
 # growtrain measure and measure_saturation, not a callback option: docs/results/history.md).
 CALLBACK_RULES = ("paper", "crossfit")
@@ -114,7 +116,7 @@ class GrowthConfig:
     t: float | None = None
     rule: Literal["paper", "crossfit"] | None = None
     min_gain: float | None = DEFAULT_MIN_GAIN
-    decision: Literal["trial", "window", "rule"] | None = None
+    decision: Literal["trial", "window", "rule", "fork"] | None = None
     trial_epochs: float = DEFAULT_TRIAL_EPOCHS
     max_growths: int | None = None
     max_params: int | None = None
@@ -148,11 +150,6 @@ class GrowthConfig:
         _int("every_n_epochs", self.every_n_epochs, 1)
         _int("window", self.window, 1)
         interval, unit = (self.every_n_epochs, "epochs") if steps is None else (steps, "optimizer steps")
-        if periodic and self.window < interval:
-            given = "every_n_epochs" if steps is None else "every_n_train_steps"
-            raise _bad("window", f"at least {given}={interval} (the stop rule compares a check with one at least "
-                       f"`window` {unit} back; with every_n_train_steps the window counts optimizer steps too)",
-                       self.window, f"pass window={3 * interval} or more (the study's J = 3K)")  # fmt: skip
         if periodic and self.lr_schedule == "anneal":
             raise _bad("lr_schedule", "'continue' with schedule='periodic' (its checks come at the constant rate; "
                        "the one anneal is the final phase, on_saturated='anneal')", self.lr_schedule,
@@ -196,6 +193,11 @@ class GrowthConfig:
             raise _bad("verbose", "True or False", self.verbose, "pass verbose=True")
         _int("seed", self.seed, 0)
         self._check_decision()
+        if self.decision == "window" and self.window < interval:  # the fork and the trial do not read it
+            given = "every_n_epochs" if steps is None else "every_n_train_steps"
+            raise _bad("window", f"at least {given}={interval} (the stop rule compares a check with one at least "
+                       f"`window` {unit} back; with every_n_train_steps the window counts optimizer steps too)",
+                       self.window, f"pass window={3 * interval} or more (the study's J = 3K)")  # fmt: skip
         for name in ("min_rel_delta", "delta", "alpha"):
             object.__setattr__(self, name, float(getattr(self, name)))
 
@@ -212,7 +214,10 @@ class GrowthConfig:
             raise _bad("decision", "'window' only with schedule='periodic' (it compares checks `window` epochs "
                        "apart while the run grows at the constant rate)", decision,
                        "pass schedule='periodic', or decision='trial'")  # fmt: skip
-        if decision in ("trial", "window") and self.min_gain is None:
+        if decision == "fork" and not periodic:
+            raise _bad("decision", "'fork' only with schedule='periodic' (a fork opened at one check is judged at the "
+                       "next, every_n_epochs later)", decision, "pass schedule='periodic', or decision='trial'")  # fmt: skip
+        if decision in ("trial", "window", "fork") and self.min_gain is None:
             raise _bad("decision", "min_gain set (the gain a block must certify)", f"{decision!r} with min_gain=None",
                        "pass min_gain=0.01, or decision='rule'")  # fmt: skip
         object.__setattr__(self, "decision", decision)

@@ -1,0 +1,382 @@
+"""decision="fork": the run against a copy with one more block, trained on the same batches until
+the next check, compared on the probe (growtrain/fork.py, growtrain/callbacks/fork_check.py).
+
+The oracles are explicit: a copy of the network stepped by hand with plain torch optimizers on
+the batches the run trained on (recorded), and the run without any growth callback."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from torch.nn import functional as F
+
+from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks import fork_check
+from growtrain.data import ImageDataModule
+from growtrain.fork import adopt, fork_test, fork_verdict, make_arm
+from growtrain.module import ImageClassifier
+from growtrain.optim import param_groups
+
+
+def tiny_net(seed=0):
+    torch.manual_seed(seed)
+    return ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3).network
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(n)]
+
+
+def sgd(net):
+    return torch.optim.SGD(param_groups(net), lr=0.05, momentum=0.9, weight_decay=5e-4)
+
+
+def adam(net):
+    return torch.optim.Adam(param_groups(net), lr=1e-2)
+
+
+def step(net, opt, batch):
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(net(batch[0]), batch[1]).backward()
+    opt.step()
+
+
+def frozen_block_arm(make_opt, trained=4):
+    """A run trained ``trained`` steps and its arm at layer2.1 with the block frozen at zero output."""
+    net = tiny_net()
+    opt = make_opt(net)
+    data = batches(trained + 8)
+    for b in data[:trained]:
+        step(net, opt, b)
+    arm, arm_opt, block, _ = make_arm(net, opt, "layer2.1", seed=5)
+    for p in block.parameters():
+        p.requires_grad_(False)
+    return net, opt, arm, arm_opt, block, data[trained:]
+
+
+@pytest.mark.parametrize("make_opt", [sgd, adam])
+def test_an_arm_whose_block_stays_zero_follows_the_run_exactly(make_opt):
+    """The arm's old parameters carry the run's optimizer state (a copy, matched by identity):
+    with its block held at zero output it is the run, step for step."""
+    net, opt, arm, arm_opt, block, data = frozen_block_arm(make_opt)
+    assert all(not arm_opt.state.get(p) for p in block.parameters())  # zero state
+    assert not ({id(p) for p in arm.parameters()} & {id(p) for p in net.parameters()})  # a copy, nothing shared
+    for b in data:
+        step(net, opt, b)
+        step(arm, arm_opt, b)
+    x = data[0][0]
+    net.eval(), arm.eval()
+    assert torch.equal(net(x), arm(x))
+
+
+def test_an_arm_without_the_optimizer_state_does_not_follow_the_run():
+    """The broken variant: a fresh optimizer (momentum lost) departs from the run at once."""
+    net, opt, arm, _, _, data = frozen_block_arm(sgd)
+    fresh = torch.optim.SGD([p for p in arm.parameters() if p.requires_grad], lr=0.05, momentum=0.9,
+                            weight_decay=5e-4)  # fmt: skip
+    for b in data:
+        step(net, opt, b)
+        step(arm, fresh, b)
+    net.eval(), arm.eval()
+    assert not torch.allclose(net(data[0][0]), arm(data[0][0]))
+
+
+def test_the_arms_block_gets_the_groups_growth_would_give_it():
+    net = tiny_net()
+    opt = sgd(net)
+    _, arm_opt, block, refs = make_arm(net, opt, "layer1.1", seed=0)
+    added = arm_opt.param_groups[len(opt.param_groups):]
+    assert {id(p) for g in added for p in g["params"]} == {id(p) for p in block.parameters()}
+    assert refs == [0] and all(g["lr"] == 0.05 and g["momentum"] == 0.9 for g in added)
+
+
+def test_the_run_that_adopts_the_arm_computes_and_trains_as_the_arm():
+    """After the run grows the same block, it takes the arm's weights, buffers and optimizer state:
+    its outputs and its next steps are the arm's."""
+    net = tiny_net()
+    opt = sgd(net)
+    data = batches(10)
+    for b in data[:3]:
+        step(net, opt, b)
+    arm, arm_opt, _, _ = make_arm(net, opt, "layer3.1", seed=7)
+    for b in data[3:6]:
+        step(net, opt, b)
+        step(arm, arm_opt, b)
+    block = net.grow("layer3.1", net.new_block("layer3.1", seed=7))
+    opt.add_param_group({**{k: v for k, v in opt.param_groups[0].items() if k != "params"},
+                         "params": list(block.parameters())})  # fmt: skip
+    assert adopt(net, opt, arm, arm_opt) == sum(1 for p in arm.parameters() if arm_opt.state.get(p))
+    for b in data[6:]:
+        step(net, opt, b)
+        step(arm, arm_opt, b)
+    net.eval(), arm.eval()
+    assert torch.equal(net(data[0][0]), arm(data[0][0]))
+
+
+def test_adopt_refuses_an_arm_of_another_architecture():
+    net = tiny_net()
+    arm, arm_opt, _, _ = make_arm(net, sgd(net), "layer3.1", seed=7)
+    with pytest.raises(RuntimeError, match="differ in their parameters"):
+        adopt(net, sgd(net), arm, arm_opt)
+
+
+@pytest.mark.parametrize("lower, upper, saturated, certified, words", [
+    (0.02, 0.05, False, False, "grow"),
+    (-0.02, 0.005, True, True, "certified saturation"),
+    (-0.02, 0.05, True, False, "no certified gain"),
+])  # fmt: skip
+def test_the_verdict_grows_on_the_lower_bound_and_certifies_on_the_upper(lower, upper, saturated, certified, words):
+    test = {"gain_frac": (lower + upper) / 2, "lower_frac": lower, "upper_frac": upper, "level": 0.05, "n": 100}
+    verdict = fork_verdict(test, site="layer1.1", min_gain=0.01, horizon="2 epoch(s)")
+    assert (verdict.saturated, verdict.certified) == (saturated, certified)
+    assert verdict.reason.startswith(words) and "layer1.1" in verdict.reason
+    assert verdict.site == (None if saturated else "layer1.1")
+
+
+def test_the_fork_test_is_the_paired_gain_of_the_arm_over_the_run():
+    g = torch.Generator().manual_seed(0)
+    control = torch.distributions.Exponential(torch.tensor(2.0)).sample((4000,)).double()  # skewed, like losses
+    arm = control * 0.9 + 0.01 * torch.randn(4000, generator=g, dtype=torch.float64)
+    test = fork_test(control, arm, min_gain=0.01, level=0.05, seed=0)
+    assert test["gain_frac"] == pytest.approx(float((control - arm).mean() / control.mean()))
+    assert test["lower_frac"] < test["gain_frac"] < test["upper_frac"]
+    assert test["lower_frac"] > 0.05  # a 10 % gain is resolved on 4000 samples
+
+
+# -- the callback ---------------------------------------------------------------------------------
+def tiny_dm() -> ImageDataModule:
+    return ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=400, synthetic_classes=4, probe_size=120,
+                           val_size=40, batch_size=32, augment=False)  # fmt: skip
+
+
+class Recorder(L.Callback):
+    """The batches the run trained on (as its training step received them) and each epoch's rate."""
+
+    def __init__(self):
+        self.batches = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches.append((trainer.current_epoch, batch[0].clone(), batch[1].clone(),
+                             trainer.optimizers[0].param_groups[0]["lr"]))  # fmt: skip
+
+
+def fit(tmp_path, callbacks, max_epochs=6):
+    L.seed_everything(0)
+    trainer = L.Trainer(max_epochs=max_epochs, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                        default_root_dir=tmp_path)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))  # fmt: skip
+    trainer.fit(model, tiny_dm())
+    return model, trainer
+
+
+def fork_cb(**kw):
+    kw = {"schedule": "periodic", "decision": "fork", "every_n_epochs": 2, "window": 2, "min_gain": 0.01,
+          "on_saturated": "continue", "verbose": False} | kw
+    return GrowUntilSaturated(**kw)
+
+
+def test_an_open_fork_leaves_the_runs_training_untouched(tmp_path):
+    """The run with a fork open (and stopped by it: no block can pay 1000 %) trains exactly as
+    the same run without any growth callback: same batches, same weights."""
+    grow = fork_cb(min_gain=10.0)
+    with_fork, trainer = fit(tmp_path, [grow], max_epochs=8)
+    # a fork at the best site of each stage, one after the other; none pays, so growth ends
+    assert [h["action"] for h in grow.history] == ["fork", "fork", "fork", "saturated"]
+    sites = [h["fork"]["site"] for h in grow.history[1:]]
+    assert len({s.rpartition(".")[0] for s in sites}) == 3  # layer1, layer2, layer3
+    assert grow.history[1]["fork"]["arm_steps"] == 2 * trainer.num_training_batches  # a step per batch, 2 epochs
+    plain, _ = fit(tmp_path, [], max_epochs=8)
+    for a, b in zip(with_fork.state_dict().values(), plain.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_the_arm_is_the_network_plus_its_block_trained_on_the_runs_batches(tmp_path, monkeypatch):
+    """Independent recomputation: the network as it was when the fork opened, with the same block,
+    stepped by hand (SGD, the run's momentum state; the block's rate ramped up over the first half
+    of the horizon) on the recorded batches, is the arm the fork judged."""
+    opened, judged = {}, {}
+    real_open, real_judge = fork_check.PairedFork.open, fork_check.PairedFork.judge
+
+    def spy_open(self, pl_module, network, optimizer, site, *, epoch, step):
+        if not opened:  # the first fork (a retry at another stage opens the next)
+            opened.update(net=copy.deepcopy(network), state=copy.deepcopy(optimizer.state_dict()), site=site,
+                          seed=self._seed(self.forks), epoch=epoch)  # fmt: skip
+        return real_open(self, pl_module, network, optimizer, site, epoch=epoch, step=step)
+
+    def spy_judge(self, inputs):
+        if self.arm is not None and "arm" not in judged:
+            judged["arm"] = copy.deepcopy(self.arm)
+        return real_judge(self, inputs)
+
+    monkeypatch.setattr(fork_check.PairedFork, "open", spy_open)
+    monkeypatch.setattr(fork_check.PairedFork, "judge", spy_judge)
+    record = Recorder()
+    grow = fork_cb(min_gain=10.0)
+    fit(tmp_path, [grow, record], max_epochs=4)
+    net = opened["net"]
+    opt = torch.optim.SGD(param_groups(net), lr=0.1, momentum=0.9)
+    opt.load_state_dict(opened["state"])
+    block = net.grow(opened["site"], net.new_block(opened["site"], seed=opened["seed"]))
+    opt.add_param_group({**{k: v for k, v in opt.param_groups[0].items() if k != "params"},
+                         "params": list(block.parameters())})  # fmt: skip
+    net.train()
+    after = [(x, y) for epoch, x, y, lr in record.batches if epoch > opened["epoch"]]
+    ramp = round(0.5 * len(after))  # the block's rate ramps over the first half of the horizon (2 epochs)
+    for t, batch in enumerate(after, start=1):
+        opt.param_groups[-1]["lr"] = 0.1 * min(1.0, t / ramp)
+        step(net, opt, batch)
+    x = record.batches[0][1]
+    net.eval(), judged["arm"].eval()
+    assert torch.allclose(net(x), judged["arm"](x), atol=1e-5)
+
+
+def test_a_fork_that_pays_is_adopted_and_the_next_fork_opens(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    real = fork_check.fork_verdict  # every judged fork "pays" (its figures still computed)
+    monkeypatch.setattr(fork_check, "fork_verdict", lambda test, **k: real(test, **k) if test is None else replace(
+        real(test, **k), saturated=False, site=k["site"]))  # fmt: skip
+    grow = fork_cb()
+    model, _ = fit(tmp_path, [grow], max_epochs=8)
+    grow_checks = [h for h in grow.history if h["action"] == "grow"]
+    assert [h["action"] for h in grow.history][:3] == ["fork", "grow", "grow"]
+    assert all(h["site"] == h["fork"]["site"] for h in grow_checks)  # it grows the block it tested
+    assert grow.history[1]["fork"]["next_site"] is not None  # and forks again at once
+    assert model.network.depth() == 3 + len(grow_checks)
+
+
+def test_the_fork_state_survives_the_callbacks_checkpoint(tmp_path):
+    grow = fork_cb(min_gain=10.0, every_n_epochs=3, window=3)
+    fit(tmp_path, [grow], max_epochs=4)  # the fork opened at epoch 2 is still open at the end
+    state = grow.state_dict()
+    assert state["fork"]["site"] is not None and "arm" in state["fork"]
+    fresh = fork_cb(min_gain=10.0, every_n_epochs=3, window=3)
+    fresh.load_state_dict(state)
+    assert fresh._fork.site == grow._fork.site and fresh._fork.steps == grow._fork.steps
+    assert fresh.state_dict()["fork"]["arm"].keys() == state["fork"]["arm"].keys()
+
+
+@pytest.mark.parametrize("kw, arg", [
+    ({"decision": "fork"}, "decision"),  # the converged schedule
+    ({"schedule": "periodic", "decision": "fork", "min_gain": None}, "decision"),
+])  # fmt: skip
+def test_bad_fork_options_are_refused_naming_the_argument(kw, arg):
+    with pytest.raises(ValueError, match=rf"^{arg}:"):
+        GrowUntilSaturated(**kw)
+
+
+def test_the_arm_follows_the_runs_rate_and_its_block_warms_up():
+    """A scheduler or an anneal moves the run's rates: the arm's copied groups take them, and the
+    block's group takes its reference group's rate × its ratio at the fork × the warm-up factor."""
+    from growtrain.fork import mirror_lrs, warmup
+
+    net = tiny_net()
+    opt = sgd(net)
+    _, arm_opt, _, refs = make_arm(net, opt, "layer1.1", seed=0)
+    n = len(opt.param_groups)
+    opt.param_groups[0]["lr"] = 0.02  # an anneal's point
+    mirror_lrs(arm_opt, opt, refs, [1.0], warm=warmup(3, 12))
+    assert arm_opt.param_groups[0]["lr"] == 0.02
+    assert arm_opt.param_groups[n]["lr"] == pytest.approx(0.02 * 3 / 12)
+    assert [warmup(s, 4) for s in (1, 2, 4, 9)] == [0.25, 0.5, 1.0, 1.0] and warmup(5, 0) == 1.0
+
+
+def test_both_sides_are_scored_over_the_second_half_of_the_horizon(tmp_path):
+    fork = fork_check.PairedFork(min_gain=0.01)
+    assert fork.marks(890) == [445, 556, 668, 779]  # and the check itself: 5 points
+    assert fork.marks(1) == [] and fork.marks(None) == []
+    grow = fork_cb(min_gain=10.0)
+    _, trainer = fit(tmp_path, [grow], max_epochs=4)
+    judged = grow.history[1]["fork"]
+    assert judged["points"] == 1 + len(fork.marks(2 * trainer.num_training_batches))
+
+
+def test_the_verdict_compares_each_samples_loss_averaged_over_the_scoring_points(tmp_path, monkeypatch):
+    """Every scoring point's per-sample losses of the run (control) and of the arm, recorded as
+    they are computed: the judged figures are the means over the points, control against arm."""
+    seen = []
+    real = fork_check.per_sample_losses
+
+    def spy(view, loader, loss_fn, device):
+        out = real(view, loader, loss_fn, device)
+        seen.append(("run" if len(seen) % 2 == 0 else "arm", out))  # _score: the run first, then the arm
+        return out
+
+    monkeypatch.setattr(fork_check, "per_sample_losses", spy)
+    grow = fork_cb(min_gain=10.0)
+    fit(tmp_path, [grow], max_epochs=4)
+    judged = grow.history[1]["fork"]
+    run = torch.stack([v for who, v in seen if who == "run"][:judged["points"]]).mean(0)
+    arm = torch.stack([v for who, v in seen if who == "arm"][:judged["points"]]).mean(0)
+    assert judged["loss_before"] == pytest.approx(float(run.mean()), rel=1e-12)
+    assert judged["loss_now"] == pytest.approx(float(arm.mean()), rel=1e-12)
+    assert judged["gain_frac"] == pytest.approx(float((run - arm).mean() / run.mean()), rel=1e-9)
+
+
+def test_with_gradient_accumulation_the_arm_steps_when_the_run_does(tmp_path):
+    L.seed_everything(0)
+    grow = fork_cb(min_gain=10.0)
+    trainer = L.Trainer(max_epochs=4, callbacks=[grow], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                        accumulate_grad_batches=2, default_root_dir=tmp_path)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))  # fmt: skip
+    trainer.fit(model, tiny_dm())
+    judged = grow.history[1]
+    assert judged["fork"]["arm_steps"] == judged["step"] - grow.history[0]["step"]  # the run's optimizer steps
+    assert judged["fork"]["arm_steps"] < 2 * trainer.num_training_batches  # not one per batch
+
+
+def test_a_stop_is_certified_only_when_every_stages_fork_bounded_its_block(tmp_path, monkeypatch):
+    """The first stage's fork not resolved below min_gain (its upper bound forced above), the next
+    two bounded below it: growth ends with "no certified gain" — the last fork alone is not the claim."""
+    real = fork_check.fork_test
+    calls = []
+
+    def test_(control, arm, **k):
+        out = real(control, arm, **k)
+        calls.append(out)
+        if len(calls) == 1:  # the first stage's fork: not resolved below min_gain
+            out = {**out, "upper_frac": 20.0}
+        return out
+
+    monkeypatch.setattr(fork_check, "fork_test", test_)
+    grow = fork_cb(min_gain=10.0)
+    fit(tmp_path, [grow], max_epochs=8)
+    assert grow.history[-1]["action"] == "saturated" and not grow.history[-1]["certified"]
+    calls.clear()
+    monkeypatch.setattr(fork_check, "fork_test", real)
+    again = fork_cb(min_gain=10.0)
+    fit(tmp_path, [again], max_epochs=8)
+    assert again.history[-1]["action"] == "saturated" and again.history[-1]["certified"]  # all three below 1000 %
+
+
+def test_the_fork_does_not_ask_for_a_window():
+    """`window` is the window rule's; a fork every 8 epochs needs no window of 8 or more."""
+    assert GrowUntilSaturated(schedule="periodic", decision="fork", every_n_epochs=8).every_n_epochs == 8
+    with pytest.raises(ValueError, match="^window:"):
+        GrowUntilSaturated(schedule="periodic", decision="window", every_n_epochs=8)
+
+
+def test_the_fork_is_refused_where_its_arm_cannot_follow_the_run():
+    """Before any state changes: FSDP2 (the arm is a full, unsharded copy) and a loss-scaled
+    float16 precision (the arm's loss is not scaled)."""
+    from types import SimpleNamespace
+
+    class ModelParallelStrategy:  # recognised by name, as growtrain.callbacks.sharded does
+        _device_mesh, _tensor_parallel_size, _data_parallel_size = None, 1, 2
+
+    fsdp = SimpleNamespace(strategy=ModelParallelStrategy(), world_size=1, precision_plugin=SimpleNamespace())
+    with pytest.raises(RuntimeError, match=r"^strategy: decision='fork'"):
+        fork_cb().setup(fsdp, None, "fit")
+    strategy = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False).strategy
+    fp16 = SimpleNamespace(strategy=strategy, world_size=1, precision="16-mixed",
+                           precision_plugin=SimpleNamespace(scaler=object()))  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"^precision: decision='fork'.*Fix: pass precision='bf16-mixed'"):
+        fork_cb().setup(fp16, None, "fit")
