@@ -31,6 +31,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from growtrain.callbacks.editor import optimizer_for
 from growtrain.callbacks.probe_data import Converted, ProbeView, per_sample_losses
 from growtrain.callbacks.trial_check import trial_candidates
 from growtrain.fork import adopt, fork_test, fork_verdict, make_arm, mirror_lrs, warmup
@@ -97,6 +98,7 @@ class PairedFork:
         self.ratios: list[float] = []
         self.steps = 0  # arm optimizer steps since the fork opened
         self._pending: dict | None = None  # a checkpoint's arm, rebuilt at the first batch
+        self._optimizer: torch.optim.Optimizer | None = None  # the run's optimizer the arm mirrors
         self._last_step: int | None = None  # trainer.global_step at the last arm step
         self.seconds = 0.0  # wall time of arm steps and scoring, this process (not saved)
         self._sums: list[torch.Tensor] | None = None  # per-sample probe losses summed over the scoring points
@@ -129,17 +131,23 @@ class PairedFork:
         return self.seed * 100019 + k
 
     # -- the arm ----------------------------------------------------------------------------
-    def open(self, pl_module: Any, network: nn.Module, optimizer: Any, site: str, *, epoch: int, step: int) -> None:
-        """A fork at ``site``: the arm from the network and optimizer as they are now."""
-        seed = self._seed(self.forks)
-        self.forks += 1
+    def _build(self, pl_module: Any, network: nn.Module, optimizer: Any, site: str, seed: int) -> list[int]:
+        """The arm at ``site`` (block seed ``seed``) from the network and optimizer as they are now;
+        the optimizer is kept, so a training batch does not look it up again."""
 
         def groups(block, arm_opt):
             new, refs = new_param_groups(pl_module, block, len(network.growth_log), arm_opt)
             add_param_groups(arm_opt, new)
             return refs
 
-        self.arm, self.arm_opt, _, self.refs = make_arm(network, optimizer, site, seed, new_groups=groups)
+        self.arm, self.arm_opt, _, refs = make_arm(network, optimizer, site, seed, new_groups=groups)
+        self._optimizer = optimizer
+        return refs
+
+    def open(self, pl_module: Any, network: nn.Module, optimizer: Any, site: str, *, epoch: int, step: int) -> None:
+        """A fork at ``site``: the arm from the network and optimizer as they are now."""
+        self.refs = self._build(pl_module, network, optimizer, site, self._seed(self.forks))
+        self.forks += 1
         n = len(optimizer.param_groups) if optimizer is not None else 0
         self.ratios = [float(self.arm_opt.param_groups[n + j]["lr"]) / float(optimizer.param_groups[r]["lr"])
                        if float(optimizer.param_groups[r]["lr"]) != 0 else 1.0
@@ -149,30 +157,27 @@ class PairedFork:
 
     def close(self) -> None:
         self.site, self.opened, self.arm, self.arm_opt, self._pending = None, None, None, None, None
-        self.refs, self.ratios, self.steps = [], [], 0
+        self.refs, self.ratios, self.steps, self._optimizer = [], [], 0, None
         self._sums, self._points = None, 0
 
     def _rebuild(self, pl_module: Any, network: nn.Module, optimizer: Any) -> None:
-        """The arm of a checkpoint: the same construction, then its saved weights and state."""
-        pending, opened, steps, refs, ratios = self._pending, self.opened, self.steps, self.refs, self.ratios
-        sums, points = self._sums, self._points
-        self.forks -= 1  # open() counts it again and draws the same block seed
-        self.open(pl_module, network, optimizer, self.site, epoch=opened["epoch"], step=opened["step"])
-        self.arm.load_state_dict(pending["arm"])
-        if self.arm_opt is not None and pending.get("arm_opt") is not None:
-            self.arm_opt.load_state_dict(pending["arm_opt"])
-        self.opened, self.steps, self.refs, self.ratios = opened, steps, refs, ratios
-        self._sums, self._points = sums, points
+        """The arm of a checkpoint: the same construction (the block's seed does not matter: its
+        weights are the saved ones), then its saved weights and optimizer state; the fork's counters
+        came with load_state_dict."""
+        self._build(pl_module, network, optimizer, self.site, self._seed(self.forks - 1))
+        self.arm.load_state_dict(self._pending["arm"])
+        if self.arm_opt is not None and self._pending.get("arm_opt") is not None:
+            self.arm_opt.load_state_dict(self._pending["arm_opt"])
+        self._pending = None
 
-    def batch_end(self, trainer: Any, pl_module: Any, network: nn.Module, optimizer: Any, batch: Any,
-                  loss_fn: Any, *, marks: list[int] = (), score: Any = None,
-                  horizon_steps: int | None = None) -> None:  # fmt: skip
+    def batch_end(self, trainer: Any, pl_module: Any, network: nn.Module, batch: Any, loss_fn: Any, *,
+                  marks: list[int] = (), score: Any = None, horizon_steps: int | None = None) -> None:  # fmt: skip
         """One arm step on the batch the run just trained on (when the run stepped its optimizer)."""
         if self.site is None:
             return
         start = time.perf_counter()
-        if self.arm is None:
-            self._rebuild(pl_module, network, optimizer)
+        if self.arm is None:  # a resumed fit: the arm of the checkpoint
+            self._rebuild(pl_module, network, optimizer_for(trainer, network))
             self._last_step = int(trainer.global_step) - 1
         accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
         x, y = trainer.precision_plugin.convert_input(batch[0]), batch[-1]
@@ -195,7 +200,7 @@ class PairedFork:
                 else:
                     torch.nn.utils.clip_grad_norm_(params, clip)
             ramp = round(WARMUP_FRACTION * horizon_steps) if horizon_steps else 0
-            mirror_lrs(self.arm_opt, optimizer, self.refs, self.ratios, warm=warmup(self.steps + 1, ramp))
+            mirror_lrs(self.arm_opt, self._optimizer, self.refs, self.ratios, warm=warmup(self.steps + 1, ramp))
             self.arm_opt.step()
             self.arm_opt.zero_grad(set_to_none=True)
             self.steps += 1
@@ -233,8 +238,6 @@ class PairedFork:
             verdict = fork_verdict(None, site=None, min_gain=self.min_gain, horizon=self.horizon)
             return verdict, [], {"open_new": True, "reason": verdict.reason, "min_gain": self.min_gain}
         if self.arm is None:  # resumed exactly at a check: rebuild before scoring
-            from growtrain.callbacks.editor import optimizer_for
-
             self._rebuild(pl_module, network, optimizer_for(trainer, network))
         start = time.perf_counter()
         self._score(trainer, pl_module, network, inputs.probe, inputs.loss_fn)  # the last point: the check itself

@@ -301,8 +301,7 @@ class GrowUntilSaturated(Callback):
                            batch_idx: int) -> None:  # fmt: skip
         self._monitor.batch_end(outputs)
         if self._fork is not None and self._fork.site is not None:  # the fork's arm trains on the same batch
-            self._fork.batch_end(trainer, pl_module, self._network, editor.optimizer_for(trainer, self._network),
-                                 batch, self._loss, marks=self._fork.marks(horizon := self._horizon_steps(trainer)),
+            self._fork.batch_end(trainer, pl_module, self._network, batch, self._loss, marks=self._fork.marks(horizon := self._horizon_steps(trainer)),
                                  score=lambda: self._fork_score(trainer, pl_module), horizon_steps=horizon)  # fmt: skip
 
     def _horizon_steps(self, trainer: Trainer) -> int | None:
