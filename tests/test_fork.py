@@ -380,3 +380,25 @@ def test_the_fork_is_refused_where_its_arm_cannot_follow_the_run():
                            precision_plugin=SimpleNamespace(scaler=object()))  # fmt: skip
     with pytest.raises(RuntimeError, match=r"^precision: decision='fork'.*Fix: pass precision='bf16-mixed'"):
         fork_cb().setup(fp16, None, "fit")
+
+
+def test_a_fork_refuses_a_probe_holding_one_training_sample(tmp_path):
+    """What the fork scores must be held out from everything it and the run train on: one training
+    image slipped into the probe is refused before training, naming the overlap."""
+    from torch.utils.data import DataLoader
+
+    from growtrain.data.datamodule import TensorImages
+
+    dm = tiny_dm()
+    dm.setup("fit")
+    probe, train = dm.probe_dataloader(), dm.train_dataloader()
+    p, t = probe.dataset, train.dataset
+    leaky = TensorImages(p.x, p.y, torch.cat([p.indices, t.indices[:1]]))
+    grow = fork_cb(probe=DataLoader(leaky, batch_size=32, collate_fn=probe.collate_fn))
+    trainer = L.Trainer(max_epochs=2, callbacks=[grow], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                        default_root_dir=tmp_path)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3)
+    with pytest.raises(ValueError, match=r"^probe: the probe sample overlaps the training data \(1 sample"):
+        trainer.fit(model, dm)
+    assert grow.history == [] and model.network.depth() == 3  # nothing was checked or grown
