@@ -4,8 +4,10 @@ experiments/periodic_matched.py is the window's, with the arms' compute counted.
 A fork run's compute is its training FLOPs (the stopping row's ``flops``), its probe passes (one
 forward and backward over the probe per check, as periodic_matched counts them), and what the
 forks cost beside it: each arm's training (3 × forward FLOPs of the arm's architecture per image,
-for every image the run trained on while the fork was open) and its scoring (a forward pass of the
-run and of the arm over the probe at each scoring point). Each scratch arm (the found architecture,
+for every image the run trained on while the fork was open), the cooled copies' (a copy of the run
+and one of the arm, trained over the horizon's last ``cool_steps``) and the scoring (a forward pass
+of both sides over the probe at each scoring point: five in the forks of the tenth session, one
+since they are cooled). Each scratch arm (the found architecture,
 d*) is trained with ``growtrain stopping`` and ``max_growths=0`` under the same schedule (the
 constant rate, then the same final anneal), given ``max_epochs = round(F / F_epoch)``.
 
@@ -28,9 +30,11 @@ sys.path.insert(0, str(ROOT / "experiments"))
 from periodic_matched import growth_flops, per_sample_flops, stage_sizes, train_scratch  # noqa: E402
 
 
-def _grown(sizes: list[int], site: str) -> list[int]:
+def _grown(sizes: list[int], site: str | list[str]) -> list[int]:
+    """Stage sizes after one block at ``site`` (or at each of several sites: a stage fork's)."""
     out = list(sizes)
-    out[int(site.split(".")[0].removeprefix("layer")) - 1] += 1
+    for name in [site] if isinstance(site, str) else site:
+        out[int(name.split(".")[0].removeprefix("layer")) - 1] += 1
     return out
 
 
@@ -54,11 +58,14 @@ def fork_flops(row: dict, *, train_images: int, steps_per_epoch: int, probe_size
             step0, site, arm_sizes = open_at
             images = (int(h["step"]) - step0) / steps_per_epoch * train_images
             arms += 3.0 * per_sample_flops(arm_sizes) * images
-            if fork.get("points"):
-                scoring += fork["points"] * probe_size * (per_sample_flops(sizes) + per_sample_flops(arm_sizes))
+            # the cooled copies (a copy of the run and one of the arm) trained over the horizon's last steps
+            cooled = fork.get("cool_steps", 0) / steps_per_epoch * train_images
+            arms += 3.0 * (per_sample_flops(sizes) + per_sample_flops(arm_sizes)) * cooled
+            points = fork.get("points", 1 if "gain_frac" in fork else 0)  # earlier forks scored 5 points, cooled ones 1
+            scoring += points * probe_size * (per_sample_flops(sizes) + per_sample_flops(arm_sizes))
             open_at = None
         if h["action"] == "grow" and h.get("site"):
-            sizes = _grown(sizes, h["site"])
+            sizes = _grown(sizes, h.get("sites") or h["site"])
         site = fork.get("next_site")
         if site:
             open_at = (int(h["step"]), site, _grown(sizes, site))

@@ -14,44 +14,13 @@ random initialisation is the noise of one fork's verdict that the per-sample bou
 
 import sys
 
-import torch
-import torch.nn.functional as F
 
-from growtrain.data import ImageDataModule
-from growtrain.data.transforms import normalize_batch
-from growtrain.fork import make_arm, mirror_lrs, warmup
-from growtrain.module import ImageClassifier
-from growtrain.optim import param_groups
+from growtrain.fork import make_arm
 
-torch.set_num_threads(1)
+from fork_setup import batches, dm, losses, net, opt, step, step_all
+
 E0, SITE, H = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 SEEDS = [int(s) for s in sys.argv[4:]] or [1, 2, 3]
-torch.manual_seed(0)
-dm = ImageDataModule(dataset="fashion-mnist", root="/usr/share/datasets/fashion-mnist", augment=False,
-                     probe_size=2000, val_size=1000)  # fmt: skip
-dm.setup("fit")
-probe = list(dm.probe_dataloader())
-net = ImageClassifier(in_channels=1).network
-opt = torch.optim.SGD(param_groups(net), lr=0.05, momentum=0.9, weight_decay=5e-4)
-
-
-def batches():
-    for x, y in dm.train_dataloader():
-        yield normalize_batch(x, dm.mean, dm.std), y
-
-
-def step(n, o, b):
-    n.train()
-    o.zero_grad(set_to_none=True)
-    F.cross_entropy(n(b[0]), b[1]).backward()
-    o.step()
-
-
-@torch.no_grad()
-def losses(n):
-    n.eval()
-    return torch.cat([F.cross_entropy(n(x), y, reduction="none").double() for x, y in probe])
-
 
 for _ in range(E0):
     for b in batches():
@@ -66,10 +35,7 @@ t = 0
 for epoch in range(E0 + 1, E0 + H + 1):
     for b in batches():
         t += 1
-        step(net, opt, b)
-        for s, (arm, arm_opt, _, refs) in arms.items():
-            mirror_lrs(arm_opt, opt, refs, [1.0] * len(refs), warm=warmup(t, horizon // 2))
-            step(arm, arm_opt, b)
+        step_all(arms, b, t, horizon // 2)
         if t in marks:
             sums["run"] = sums["run"] + losses(net)
             for s, (arm, *_) in arms.items():

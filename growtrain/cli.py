@@ -31,7 +31,6 @@ import os
 import sys
 from typing import Any
 
-import yaml
 
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
@@ -235,10 +234,6 @@ def main(args: ArgsType = None, cli_class: type[LightningCLI] = GrowtrainCLI) ->
     ``error:`` line and exit status 2, like a parse error; everything else keeps its traceback.
     """
     quiet_upstream_noise()
-    removed = _removed_options(sys.argv[1:] if args is None else args)
-    if removed is not None:  # an option of an earlier version: say which and what to do, not "not accepted"
-        sys.stderr.write(f"error: {removed}\n")
-        raise SystemExit(2)
     try:
         cli_class(args=args)
     except Exception as error:
@@ -259,43 +254,6 @@ def _config_files(argv: Any) -> list[str]:
         elif arg.startswith("--config="):
             files.append(arg.split("=", 1)[1])
     return [os.fspath(f) for f in files]
-
-
-def _removed_options(argv: Any) -> str | None:
-    """The message for ``GrowUntilSaturated`` options removed in an earlier release, given under the
-    callback's ``init_args`` in a ``--config`` file or on the command line; ``None`` when there are none.
-
-    A ``--trainer.callbacks[.init_args].NAME`` flag belongs to the last callback given before it (as
-    LightningCLI reads it): the last one of the config files' ``trainer.callbacks``, then each
-    ``--trainer.callbacks+=CLASS`` in order. Only the growth callback's are checked, so another
-    callback's own ``min_delta`` (``EarlyStopping``'s) is left to it."""
-    from growtrain.callbacks.growth_config import REMOVED, removed_message
-
-    names, last = [], None
-    for path in _config_files(argv):
-        try:
-            with open(path) as f:
-                config = yaml.safe_load(f)
-        except (OSError, yaml.YAMLError):  # the parser reports a missing or broken file itself
-            continue
-        callbacks = ((config or {}).get("trainer") or {}).get("callbacks") if isinstance(config, dict) else None
-        callbacks = callbacks if isinstance(callbacks, list) else [callbacks] if isinstance(callbacks, dict) else []
-        for cb in callbacks:
-            if isinstance(cb, dict):
-                last = str(cb.get("class_path", ""))
-                if last.endswith("GrowUntilSaturated"):
-                    names += [k for k in (cb.get("init_args") or {}) if k in REMOVED]
-    args = [str(a) for a in argv] if isinstance(argv, (list, tuple)) else []
-    for i, arg in enumerate(args):
-        key, given, value = arg.partition("=")
-        if not given and i + 1 < len(args):  # "--flag value"
-            value = args[i + 1]
-        if key in ("--trainer.callbacks+", "--trainer.callbacks.class_path"):
-            last = value
-        elif key.startswith("--trainer.callbacks.") and key.rsplit(".", 1)[-1] in REMOVED:
-            if last is None or last.endswith("GrowUntilSaturated"):
-                names.append(key.rsplit(".", 1)[-1])
-    return removed_message(dict.fromkeys(names))
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m growtrain.cli`

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from growtrain.decision import Verdict
+from growtrain.growable import insertion_order
 from growtrain.trial import trial_test
 
 __all__ = ["make_arm", "copy_optimizer", "mirror_lrs", "warmup", "adopt", "fork_test", "fork_verdict"]
@@ -68,28 +69,31 @@ def copy_optimizer(optimizer: torch.optim.Optimizer, mapping: dict[int, torch.Te
     return new
 
 
-def make_arm(network: nn.Module, optimizer: torch.optim.Optimizer | None, site: str, seed: int,
+def make_arm(network: nn.Module, optimizer: torch.optim.Optimizer | None, site: str | Sequence[str], seed: int,
              new_groups: Callable[[nn.Module, torch.optim.Optimizer], list[int]] | None = None,
              ) -> tuple[nn.Module, torch.optim.Optimizer | None, nn.Module, list[int]]:  # fmt: skip
     """The arm: a deep copy of ``network`` with a fresh zero-output block (``network.new_block(site,
-    seed)``) grown at ``site``, and a copy of ``optimizer`` over its parameters (identity mapping
-    through the copy). ``new_groups(block, arm_optimizer)`` adds the block's parameter groups (zero
-    state) and returns, for each added group, the index of the run's group whose rate it follows;
-    ``None``: one group with the first group's hyper-parameters. Returns ``(arm, arm_optimizer,
-    block, refs)``."""
+    seed)``) grown at ``site`` — or one at each of several sites, grown deepest index first within a
+    stage as the callback's growth inserts them (seeds ``seed``, ``seed + 1``, ... in that order) —
+    and a copy of ``optimizer`` over its parameters (identity mapping through the copy).
+    ``new_groups(block, arm_optimizer)`` adds a block's parameter groups (zero state) and returns,
+    for each added group, the index of the run's group whose rate it follows; ``None``: one group
+    with the first group's hyper-parameters. Returns ``(arm, arm_optimizer, block, refs)`` (the
+    last block grown)."""
     memo: dict[int, Any] = {}
     arm = copy.deepcopy(network, memo)
     mapping = {id(p): memo[id(p)] for p in network.parameters() if id(p) in memo}
     arm_opt = copy_optimizer(optimizer, mapping) if optimizer is not None else None
-    block = arm.grow(site, arm.new_block(site, seed=seed))
     refs: list[int] = []
-    if arm_opt is not None:
-        if new_groups is not None:
-            refs = list(new_groups(block, arm_opt))
-        else:
-            hyper = {k: copy.deepcopy(v) for k, v in arm_opt.param_groups[0].items() if k != "params"}
-            arm_opt.add_param_group({**hyper, "params": list(block.parameters())})
-            refs = [0]
+    for k, name in enumerate(insertion_order([site] if isinstance(site, str) else list(site))):
+        block = arm.grow(name, arm.new_block(name, seed=seed + k))
+        if arm_opt is not None:
+            if new_groups is not None:
+                refs += list(new_groups(block, arm_opt))
+            else:
+                hyper = {k: copy.deepcopy(v) for k, v in arm_opt.param_groups[0].items() if k != "params"}
+                arm_opt.add_param_group({**hyper, "params": list(block.parameters())})
+                refs.append(0)
     return arm, arm_opt, block, refs
 
 
@@ -146,12 +150,12 @@ def fork_test(control: torch.Tensor, arm: torch.Tensor, *, min_gain: float, leve
     return trial_test(control, arm, min_gain=min_gain, level=level, seed=seed)
 
 
-def fork_verdict(test: dict | None, *, site: str | None, min_gain: float, horizon: str) -> Verdict:
+def fork_verdict(test: dict | None, *, site: str | None, min_gain: float, horizon: str, scored: str = "") -> Verdict:
     """Grow at ``site`` iff the arm's held-out loss is below the control's by a certified more than
     ``min_gain`` of it; otherwise end growth: "certified saturation" when the upper bound is below
     ``min_gain`` too, else "no certified gain" with the resolution. ``test`` ``None``: no fork was
     open (a fork opens at this check; nothing is decided). ``horizon``: the training the two sides
-    shared, in words."""
+    shared, in words; ``scored``: how both sides were scored (e.g. "cooled over 111 steps")."""
     if test is None:
         return Verdict("fork", False, None, float("nan"), min_gain,
                        "fork: no fork was open; the network and a copy with one more block now train on the same "
@@ -160,7 +164,7 @@ def fork_verdict(test: dict | None, *, site: str | None, min_gain: float, horizo
     what = (f"with the block at {site}, {horizon} of the run's training lowered the held-out loss by "
             f"{100 * test['gain_frac']:+.2f} % against the same training without it (at least "
             f"{100 * test['lower_frac']:+.2f} %, at most {100 * test['upper_frac']:+.2f} %, "
-            f"{100 * (1 - level):.1f} % bounds, n={test['n']})")  # fmt: skip
+            f"{100 * (1 - level):.1f} % bounds, n={test['n']}{', both ' + scored if scored else ''})")  # fmt: skip
     if not (math.isfinite(test["lower_frac"]) and math.isfinite(test["upper_frac"])):
         return Verdict("fork", True, None, float("nan"), min_gain, f"no certified gain: the fork's losses are not "
                        f"finite ({what})")  # fmt: skip

@@ -407,6 +407,17 @@ def resolve_network(module: nn.Module, spec: nn.Module | str | None = None, *, r
     return network
 
 
+def insertion_order(names: Sequence[str]) -> list[str]:
+    """Sites as ``stage.index`` names, deepest index first within a stage, so that inserting one
+    never shifts the index of a site not yet used."""
+
+    def key(name: str):
+        stage, _, index = name.rpartition(".")
+        return (stage, -int(index)) if index.isdigit() else (name, 0)
+
+    return sorted(names, key=key)
+
+
 def probe_loss_for(module: nn.Module, loss_fn: Callable | None = None) -> Callable:
     """The loss the probe scores candidates with: ``loss_fn`` if given, else the model's
     ``probe_loss`` (the batch-mean loss it trains on, e.g. ``LanguageModel``'s token-mean

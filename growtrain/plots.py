@@ -91,18 +91,12 @@ def _final_text(history: Sequence[dict], final: dict | None) -> str:
 
     final = final or {}
     grown = [s for h in history if grew(h) for s in (h.get("sites") or [h.get("site")])]
-    removed = [s for h in history for s in ((h.get("restored") or {}).get("removed_sites") or [])]
-    kept = list(grown)
-    for site in removed:  # one insertion taken back per removed site
-        if site in kept:
-            kept.remove(site)
-    kept = final.get("sites", kept)
+    kept = final.get("sites", grown)
     start = final.get("start_depth", history[0].get("depth_before"))
     depth = final.get("depth", history[-1].get("depth"))
     parts = [f"Final network: depth {depth if depth is not None else '?'}"
              + (f" (started at {start})" if start is not None else "")
-             + f"; blocks grown and kept: {', '.join(map(str, kept)) or 'none'}"
-             + (f"; undone: {', '.join(map(str, removed))}" if removed else "") + "."]  # fmt: skip
+             + f"; blocks grown and kept: {', '.join(map(str, kept)) or 'none'}."]  # fmt: skip
     stop = _stop_record(history)
     reason = final.get("stop_reason") or (stop or {}).get("reason")
     if stop is None and final.get("finished") is None:
@@ -134,9 +128,8 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
     top panel) and otherwise only chose the sites. Filled markers decided a check; hollow ones
     were reported only. Bottom, secondary: Γ̂ and δ+t.
 
-    Every panel marks each growth (red), each undo (purple, dashed: ``restore_best`` removed the
-    block) and the check that ended growth (black, dotted); the footer gives the final network
-    (depth, blocks kept and undone) and why growth stopped.
+    Every panel marks each growth (red) and the check that ended growth (black, dotted); the
+    footer gives the final network (depth, blocks kept) and why growth stopped.
 
     ``history``: ``GrowUntilSaturated.history``. ``final`` (optional, from the callback):
     ``depth``, ``start_depth``, ``sites`` (the growth record's sites), ``finished``,
@@ -248,32 +241,26 @@ def _window_panel(ax, windows: Sequence[dict], xkey: str) -> None:
 
 
 def _mark_events(axes, history: Sequence[dict], xkey: str) -> None:
-    """Growths (red), undos (purple, dashed) and the end of growth (black, dotted) on every panel,
+    """Growths (red) and the end of growth (black, dotted) on every panel,
     named on the top one; zero kept in view (a gain can be negative)."""
     stop = _stop_record(history)
     for ax in axes:
         for h in history:
             if grew(h):
                 ax.axvline(h[xkey], color="C3", lw=0.8, alpha=0.6)
-            if h.get("restored"):
-                ax.axvline(h[xkey], color="C4", lw=1.2, ls="--")
         if stop is not None:
             ax.axvline(stop[xkey], color="k", lw=1.0, ls=":")
         ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))
     first = axes[0]
-    for h in history:  # growths and undos hang from the top, the stop stands on the bottom: never on each other
-        if grew(h) or h.get("restored"):
-            r = h.get("restored") or {}
-            text, color = (", ".join(h.get("sites") or [str(h.get("site"))]), "C3") if grew(h) else (
-                f"undone: {', '.join(map(str, r.get('removed_sites') or []))} → depth {r.get('depth')}", "C4")
+    for h in history:  # growths hang from the top, the stop stands on the bottom: never on each other
+        if grew(h):
+            text = ", ".join(h.get("sites") or [str(h.get("site"))])
             first.annotate(text, (h[xkey], 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top",
-                           ha="right", fontsize=7, color=color)  # fmt: skip
+                           ha="right", fontsize=7, color="C3")  # fmt: skip
         if h is stop:
             first.annotate(f"stop: {outcome(h)}", (h[xkey], 0.0), xycoords=("data", "axes fraction"), rotation=90,
                            va="bottom", ha="left", fontsize=7, color="k")  # fmt: skip
     first.axvline(float("nan"), color="C3", lw=0.8, label="block inserted")  # legend entries only
-    if any(h.get("restored") for h in history):
-        first.axvline(float("nan"), color="C4", lw=1.2, ls="--", label="block undone (restore_best)")
     if stop is not None:
         first.axvline(float("nan"), color="k", lw=1.0, ls=":", label="growth stopped")
 

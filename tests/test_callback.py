@@ -469,3 +469,89 @@ def test_probe_overlap_detection():
     dm.setup("fit")
     assert probe_overlap(dm.probe_dataloader().dataset, dm.train_dataloader().dataset) is None
     assert math.isfinite(len(dm.probe_dataloader().dataset))
+
+
+def test_the_depth_and_the_checks_figures_are_callback_metrics_a_checkpoint_can_monitor(tmp_path):
+    """growth/depth from the first epoch on and each check's growth/* figures are in
+    trainer.callback_metrics: a ModelCheckpoint monitoring growth/depth keeps the deepest network,
+    and sees each epoch's depth as the growth record says it was (counted from the record)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Seen(L.Callback):
+        def __init__(self):
+            self.depths = []
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            self.depths.append(float(trainer.callback_metrics["growth/depth"]))
+
+    L.seed_everything(0)
+    module = ImageClassifier(width=4, num_classes=4, blocks=(1, 1, 1))
+    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="paper", t=1e-9, max_growths=2, verbose=False)
+    best = ModelCheckpoint(dirpath=tmp_path / "ck", monitor="growth/depth", mode="max", save_top_k=1,
+                           filename="deepest-{growth/depth:.0f}", auto_insert_metric_name=False)  # fmt: skip
+    seen = Seen()
+    trainer = tiny_trainer(tmp_path, [grow, seen, best], max_epochs=4, enable_checkpointing=True)
+    trainer.fit(module, tiny_dm(synthetic_size=200, probe_size=40))
+    grew_at = [h["epoch"] for h in grow.history if h["action"] == "grow"]
+    assert len(grew_at) == 2
+    assert seen.depths == [3 + sum(e < epoch for e in grew_at) for epoch in range(4)]
+    assert float(trainer.callback_metrics["growth/grew"]) == float(grow.history[-1]["action"] == "grow")
+    measured = [h for h in grow.history if h.get("gamma") is not None]
+    assert float(trainer.callback_metrics["growth/gamma"]) == pytest.approx(measured[-1]["gamma"])
+    assert best.best_model_path.endswith("deepest-5.ckpt")
+
+
+def test_two_callbacks_growing_two_networks_keep_two_states():
+    """Lightning keys each callback's checkpoint state by its state_key: one per network grown,
+    so neither overwrites the other (as two EarlyStoppings on two monitors)."""
+    from lightning.pytorch.trainer import call
+
+    enc, dec = GrowUntilSaturated(network="encoder", verbose=False), GrowUntilSaturated(network="decoder", verbose=False)
+    enc.checks, dec.checks = 3, 5
+    trainer = L.Trainer(callbacks=[enc, dec], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)  # fmt: skip
+    states = call._call_callbacks_state_dict(trainer)
+    assert len(states) == 2 and sorted(s["checks"] for s in states.values()) == [3, 5]
+    assert all(k.startswith("GrowUntilSaturated") for k in states)
+    enc2, dec2 = GrowUntilSaturated(network="encoder", verbose=False), GrowUntilSaturated(network="decoder", verbose=False)
+    enc2.load_state_dict(states[enc2.state_key]), dec2.load_state_dict(states[dec2.state_key])
+    assert (enc2.checks, dec2.checks) == (3, 5)
+
+
+class ScriptedVal(ImageClassifier):
+    """val_loss = 1 / (epoch + 1): lower at every validation run."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", 1.0 / (self.current_epoch + 1), on_epoch=True)
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_validation_loss_falling_at_every_run_never_plateaus(tmp_path, every):
+    """Validation every 3 epochs: the epochs between keep the last run's value, which must not
+    count as "no improvement" (patience 1 would then see a plateau at the first of them), and
+    the epochs before the first run have no val_loss yet, which is waited for, not an error."""
+    L.seed_everything(0)
+    grow = GrowUntilSaturated(monitor="val_loss", patience=1, min_stage_epochs=1, min_rel_delta=0.0,
+                              decision="rule", rule="paper", verbose=False)  # fmt: skip
+    trainer = tiny_trainer(tmp_path, [grow], max_epochs=7, limit_val_batches=1, check_val_every_n_epoch=every,
+                           num_sanity_val_steps=0)  # fmt: skip
+    trainer.fit(ScriptedVal(width=4, num_classes=4), tiny_dm(synthetic_size=200, probe_size=40))
+    assert grow.history == []  # never a plateau, so never a check
+    runs = [e for e in range(7) if (e + 1) % every == 0]
+    assert grow._monitor.best == pytest.approx(1.0 / (runs[-1] + 1)) and grow._monitor.wait == 0
+    assert grow._monitor.stale == 7 - len(runs)
+
+
+def test_the_checks_seconds_and_the_fits_survive_a_checkpoint():
+    """The end-of-fit summary's share of the fit spent on checks counts the whole fit: a resumed
+    callback starts from the seconds the checkpoint recorded, then adds its own."""
+    grow = GrowUntilSaturated(verbose=False)
+    grow.probe_seconds, grow._decider.seconds = 2.0, 3.0
+    state = grow.state_dict()
+    assert state["seconds"] == {"checks": 5.0, "fit": 0.0}
+    again = GrowUntilSaturated(verbose=False)
+    again.load_state_dict(state | {"seconds": {"checks": 5.0, "fit": 40.0}})
+    again.probe_seconds = 1.5
+    assert again.check_seconds == 6.5 and again.fit_seconds == 40.0
+    again._fit_start = __import__("time").perf_counter() - 10.0
+    assert 50.0 <= again.fit_seconds < 51.0

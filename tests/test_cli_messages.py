@@ -86,45 +86,38 @@ def test_a_yaml_error_names_its_file_and_comes_first(tmp_path, capsys):
     assert "<unicode string>" not in err and "usage:" not in err
 
 
-# -- options removed from GrowUntilSaturated (docs/results/history.md): one error line naming each, before anything runs ------
+# -- options removed from GrowUntilSaturated before 0.1.0: no shim, the parser's own error, before anything runs --
 def _refused(args, capsys) -> str:
-    """``main(args)`` exits with status 2; its stderr, which must be the one ``error:`` line."""
+    """``main(args)`` exits with status 2 (jsonargparse's parse error, as for any unknown key); its stderr."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as done:
         main(args)
     assert done.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: GrowUntilSaturated: option(s) ") and err.count("\n") == 1, err
-    assert "Traceback" not in err and "usage:" not in err
+    assert err.startswith("error: ") and "Traceback" not in err, err
     return err
 
 
 @pytest.mark.parametrize("flag", ["--trainer.callbacks.init_args.projected=true", "--trainer.callbacks.projected=true"])
-def test_a_removed_option_on_the_command_line_is_refused_naming_it_and_its_fix(tmp_path, capsys, flag):
-    from growtrain.callbacks.growth_config import REMOVED
-
+def test_a_former_option_on_the_command_line_is_the_parsers_error_naming_it(tmp_path, capsys, flag):
     run = tmp_path / "run"
     err = _refused(tiny_fit_args(run, flag), capsys)
-    assert "projected" in err and f"Fix: projected: {REMOVED['projected']}." in err
+    assert "'projected'" in err and "GrowUntilSaturated" in err, err
     assert not run.exists()  # refused before any training or output folder
 
 
-def test_a_removed_option_in_a_config_file_is_refused_before_any_output(tmp_path, capsys):
-    """restore_best under the callback's init_args in a --config YAML (and a second removed option
-    beside it): the same single line, naming both with their fixes; nothing is trained or written."""
-    from growtrain.callbacks.growth_config import REMOVED
-
+def test_a_former_option_in_a_config_file_is_the_parsers_error_before_any_output(tmp_path, capsys):
+    """restore_best under the callback's init_args in a --config YAML: the parser names it; nothing is
+    trained or written."""
     run = tmp_path / "run"
     (tmp_path / "old.yaml").write_text(
         "trainer:\n  callbacks:\n"
         "    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      init_args: {save_last: true}\n"
         "    - class_path: growtrain.callbacks.GrowUntilSaturated\n"
-        "      init_args: {monitor: null, restore_best: false, cooldown: 2, min_gain: 0.01}\n"
+        "      init_args: {monitor: null, restore_best: false, min_gain: 0.01}\n"
     )  # fmt: skip
     err = _refused(tiny_fit_args(run, f"--config={tmp_path / 'old.yaml'}"), capsys)
-    assert "option(s) restore_best, cooldown were removed" in err
-    assert f"restore_best: {REMOVED['restore_best']}" in err and f"cooldown: {REMOVED['cooldown']}" in err
-    assert "Fix: " in err
+    assert "'restore_best'" in err and "GrowUntilSaturated" in err, err
     assert not run.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["old.yaml"]
 
 
@@ -136,37 +129,31 @@ def test_the_shipped_configs_are_found():
     assert any(p.name == "quickstart.yaml" for p in CONFIGS) and len(CONFIGS) > 5, CONFIGS
 
 
+def _growth_init_args(node):
+    """Every ``init_args`` of a ``GrowUntilSaturated`` anywhere in a parsed YAML document."""
+    if isinstance(node, dict):
+        if str(node.get("class_path", "")).endswith("GrowUntilSaturated"):
+            yield node.get("init_args") or {}
+        for value in node.values():
+            yield from _growth_init_args(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _growth_init_args(value)
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
-def test_no_shipped_config_carries_a_removed_option(config):
-    """The check refuses nothing a shipped config says (``growtrain fit`` and the experiments go through
-    the same ``main``): none of them carries an option GrowUntilSaturated no longer has."""
-    from growtrain.cli import _removed_options
+def test_no_shipped_config_gives_the_growth_callback_an_option_it_does_not_have(config):
+    """``growtrain fit`` and the experiments would refuse it: every option a shipped config gives
+    GrowUntilSaturated is one of its current options."""
+    import yaml
 
-    assert _removed_options(["fit", f"--config={config}"]) is None
-    assert _removed_options(["stopping", "-c", str(config)]) is None
+    from growtrain.callbacks.growth_config import GrowthConfig
 
-
-def test_current_options_pass_that_check():
-    """Options the callback has, on the command line, pass; a removed name under another class's
-    arguments (the model's, say) is not the growth callback's and is left to the parser."""
-    from growtrain.cli import _removed_options
-
-    assert _removed_options(tiny_fit_args(Path("run"), "--trainer.callbacks.init_args.min_rel_delta=0.02",
-                                          "--trainer.callbacks.trial_epochs=0.5")) is None  # fmt: skip
-    assert _removed_options(["fit", "--trainer.callbacks.init_args.patience=3", "--model.init_args.top_k=2"]) is None
+    given = {k for args in _growth_init_args(yaml.safe_load(config.read_text())) for k in args}
+    assert given - set(GrowthConfig.names()) == set()
 
 
-def test_another_callbacks_option_of_a_removed_name_is_left_to_that_callback(tmp_path):
-    """EarlyStopping's own min_delta (a removed name of the growth callback's) after
-    ``--trainer.callbacks+=EarlyStopping`` belongs to that callback: not refused; one given after
-    ``+=GrowUntilSaturated`` again is, and so is one under a config whose last callback is the grower."""
-    from growtrain.cli import _removed_options
+def test_the_shipped_configs_give_the_growth_callback_options():
+    import yaml  # the check above is not vacuous: most shipped configs grow
 
-    other = ["--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping", "--trainer.callbacks.monitor=val_loss",
-             "--trainer.callbacks.min_delta=0.005"]  # fmt: skip
-    assert _removed_options(["fit", *tiny_fit_args(Path("run"))[1:], *other]) is None
-    assert _removed_options(["fit", "--trainer.callbacks+", "lightning.pytorch.callbacks.EarlyStopping",
-                             "--trainer.callbacks.min_delta", "0.1"]) is None  # the space-separated form
-    back = [*other, "--trainer.callbacks+=growtrain.callbacks.GrowUntilSaturated", "--trainer.callbacks.min_delta=0.1"]
-    assert "min_delta" in _removed_options(["fit", *back])
-    assert "min_delta" in _removed_options(tiny_fit_args(Path("run"), "--trainer.callbacks.init_args.min_delta=0.1"))
+    assert sum(1 for p in CONFIGS for _ in _growth_init_args(yaml.safe_load(p.read_text()))) >= 8

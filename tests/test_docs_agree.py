@@ -156,17 +156,10 @@ def _arguments_rows(page: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in table[2:]]
 
 
-def _section(page: str, heading: str) -> str:
-    start = page.index(heading)
-    end = page.find("\n#", start + len(heading))
-    return page[start:end if end > 0 else None]
-
-
-def test_every_option_has_one_row_that_says_why_and_every_removed_option_is_announced():
-    """One row per option of GrowthConfig in docs/callback.md's Arguments table, saying what it
-    does and why it is kept; no removed option keeps a row; every removed option is listed with its
-    fix in callback.md and announced in docs/results/history.md's removal section."""
-    from growtrain.callbacks.growth_config import REMOVED, GrowthConfig
+def test_every_option_has_one_row_that_says_why():
+    """One row per option of GrowthConfig in docs/callback.md's Arguments table (and no row for
+    anything else), saying what it does and why it is kept."""
+    from growtrain.callbacks.growth_config import GrowthConfig
 
     page = (ROOT / "docs" / "callback.md").read_text()
     rows = _arguments_rows(page)
@@ -174,14 +167,8 @@ def test_every_option_has_one_row_that_says_why_and_every_removed_option_is_anno
     options = GrowthConfig.names()
     assert sorted(named) == sorted(options), f"rows without an option or options without a row: {set(named) ^ set(options)}"
     assert len(named) == len(set(named)), "an option has two rows"
-    assert not set(named) & set(REMOVED), set(named) & set(REMOVED)
     short = [row[0] for row in rows if len(row) != 4 or any(len(cell) < 3 for cell in row)]
     assert not short, f"rows without a default, what it does, or why it is kept: {short}"
-    removed_list = _section(page, "### Removed options")
-    assert [n for n in REMOVED if f"- `{n}`:" not in removed_list] == []
-    history = (ROOT / "docs" / "results" / "history.md").read_text()
-    announced = _section(history, "## Options removed")
-    assert [n for n in REMOVED if f"`{n}`" not in announced] == []
 
 
 def _as_written(value) -> str:
@@ -190,8 +177,7 @@ def _as_written(value) -> str:
 
 def test_callback_defaults_in_docs_agree_with_the_signature():
     documented = _documented_defaults()
-    params = {name: p for name, p in inspect.signature(GrowUntilSaturated).parameters.items()
-              if p.kind is not p.VAR_KEYWORD}  # **removed: the options of earlier versions, refused with their fix
+    params = dict(inspect.signature(GrowUntilSaturated).parameters)
     assert set(documented) == set(params), set(documented) ^ set(params)
     for name, param in params.items():
         assert documented[name] == _as_written(param.default), (name, documented[name], param.default)

@@ -284,3 +284,52 @@ def test_fit_from_a_checkpoint_into_a_differently_grown_model(tmp_path, grown_ch
 def test_fit_from_a_checkpoint_of_another_width(tmp_path, grown_checkpoint):
     with pytest.raises(RuntimeError, match=r"size mismatch for network\."):
         _resume(tmp_path, ImageClassifier(width=8, in_channels=3, num_classes=4), grown_checkpoint)
+
+
+# -- no silent cross-entropy ------------------------------------------------------------------
+class Regressor(L.LightningModule):
+    """A plain LightningModule regressing 4 floats with MSE; no probe_loss."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.helpers import mlp_stack
+
+        self.net = mlp_stack()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _regression_data(n=64):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    return list(zip(x, x.flip(1) * 0.5))
+
+
+@pytest.mark.parametrize("given", [None, "mse", "soft_labels"])
+def test_float_targets_of_the_outputs_shape_need_a_loss_named(tmp_path, given):
+    """Cross-entropy on regression targets would score nonsense without a word: with no loss_fn and
+    no probe_loss it is refused before any training step, naming loss_fn and the fix; naming the
+    loss (MSE, or cross-entropy itself for soft labels) is accepted."""
+    data = _regression_data()
+    probe = DataLoader(data[:32], batch_size=16)
+    loss = {"mse": torch.nn.functional.mse_loss, "soft_labels": torch.nn.functional.cross_entropy}.get(given)
+    steps = CountSteps()
+    grower = GrowUntilSaturated(monitor=None, every_n_epochs=1, rule="paper", min_gain=None, probe=probe,
+                                loss_fn=loss, verbose=False)  # fmt: skip
+    trainer = _trainer(tmp_path, [steps, grower], max_epochs=1)
+    model = Regressor()
+    if given is None:
+        with pytest.raises(ValueError, match=r"^loss_fn: .*cross-entropy.*floats of the output's shape \(16, 4\).*"
+                                             r"Fix: pass GrowUntilSaturated\(loss_fn=") as info:
+            trainer.fit(model, DataLoader(data[32:], batch_size=16))
+        assert "Regressor.probe_loss" in str(info.value) and steps.steps == 0
+    else:
+        trainer.fit(model, DataLoader(data[32:], batch_size=16))
+        assert steps.steps == 2 and len(grower.history) == 1

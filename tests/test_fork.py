@@ -7,6 +7,7 @@ the batches the run trained on (recorded), and the run without any growth callba
 from __future__ import annotations
 
 import copy
+import math
 
 import lightning as L
 import pytest
@@ -287,36 +288,101 @@ def test_the_arm_follows_the_runs_rate_and_its_block_warms_up():
     assert [warmup(s, 4) for s in (1, 2, 4, 9)] == [0.25, 0.5, 1.0, 1.0] and warmup(5, 0) == 1.0
 
 
-def test_both_sides_are_scored_over_the_second_half_of_the_horizon(tmp_path):
+def test_the_cooled_copies_anneal_over_the_horizons_last_eighth(tmp_path):
     fork = fork_check.PairedFork(min_gain=0.01)
-    assert fork.marks(890) == [445, 556, 668, 779]  # and the check itself: 5 points
-    assert fork.marks(1) == [] and fork.marks(None) == []
+    assert fork.cool_length(890) == 111 and fork.cool_length(16) == 2 and fork.cool_length(4) == 1
+    assert fork.cool_length(1) is None and fork.cool_length(None) is None
+    assert [fork_check.cosine(i, 4) for i in (1, 3)] == [1.0, pytest.approx(0.5)]
     grow = fork_cb(min_gain=10.0)
     _, trainer = fit(tmp_path, [grow], max_epochs=4)
     judged = grow.history[1]["fork"]
-    assert judged["points"] == 1 + len(fork.marks(2 * trainer.num_training_batches))
+    horizon = 2 * trainer.num_training_batches
+    assert judged["cooled"] and judged["cool_steps"] == fork.cool_length(horizon) and judged["arm_steps"] == horizon
+    assert "both cooled over 2 steps" in judged["reason"]
 
 
-def test_the_verdict_compares_each_samples_loss_averaged_over_the_scoring_points(tmp_path, monkeypatch):
-    """Every scoring point's per-sample losses of the run (control) and of the arm, recorded as
-    they are computed: the judged figures are the means over the points, control against arm."""
-    seen = []
-    real = fork_check.per_sample_losses
+def test_the_verdict_compares_the_run_and_the_arm_each_annealed_to_zero_on_the_runs_batches(tmp_path, monkeypatch):
+    """Independent recomputation: the run and the arm as they were when cooling began, copied
+    with Python's deepcopy (network and optimizer together), stepped by hand with the rate a cosine
+    from theirs to zero on the batches the run trained on next, are the two networks the verdict
+    scored (the run first, then the arm); and the scored losses are those networks' losses."""
+    began, scored, judged = {}, [], {}
+    real_start, real_judge, real_losses = (fork_check.PairedFork._start_cool, fork_check.PairedFork.judge,
+                                           fork_check.per_sample_losses)  # fmt: skip
+    record = Recorder()
 
-    def spy(view, loader, loss_fn, device):
-        out = real(view, loader, loss_fn, device)
-        seen.append(("run" if len(seen) % 2 == 0 else "arm", out))  # _score: the run first, then the arm
+    def spy_start(self, network):
+        if not began:
+            began.update(run=copy.deepcopy((network, self._optimizer)), arm=copy.deepcopy((self.arm, self.arm_opt)),
+                         at=len(record.batches) + 1)  # this batch is not recorded yet: the next ones cool
+        return real_start(self, network)
+
+    def spy_judge(self, inputs):
+        if self.cool is not None and not judged:
+            judged.update(run=copy.deepcopy(self.cool[0][0]), arm=copy.deepcopy(self.cool[1][0]),
+                          ids=(id(self.cool[0][0]), id(self.cool[1][0])), steps=self.cool_steps)  # fmt: skip
+        return real_judge(self, inputs)
+
+    def spy_losses(view, loader, loss_fn, device):
+        out = real_losses(view, loader, loss_fn, device)
+        scored.append((id(view.network), out))
         return out
 
-    monkeypatch.setattr(fork_check, "per_sample_losses", spy)
+    monkeypatch.setattr(fork_check.PairedFork, "_start_cool", spy_start)
+    monkeypatch.setattr(fork_check.PairedFork, "judge", spy_judge)
+    monkeypatch.setattr(fork_check, "per_sample_losses", spy_losses)
     grow = fork_cb(min_gain=10.0)
-    fit(tmp_path, [grow], max_epochs=4)
-    judged = grow.history[1]["fork"]
-    run = torch.stack([v for who, v in seen if who == "run"][:judged["points"]]).mean(0)
-    arm = torch.stack([v for who, v in seen if who == "arm"][:judged["points"]]).mean(0)
-    assert judged["loss_before"] == pytest.approx(float(run.mean()), rel=1e-12)
-    assert judged["loss_now"] == pytest.approx(float(arm.mean()), rel=1e-12)
-    assert judged["gain_frac"] == pytest.approx(float((run - arm).mean() / run.mean()), rel=1e-9)
+    fit(tmp_path, [grow, record], max_epochs=4)
+    steps = judged["steps"]
+    assert steps == 2
+    after = record.batches[began["at"]:began["at"] + steps]
+    for side in ("run", "arm"):
+        net, opt = began[side]
+        base = [g["lr"] for g in opt.param_groups]
+        net.train()
+        for i, (_, x, y, _) in enumerate(after):
+            for g, lr in zip(opt.param_groups, base):
+                g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * i / steps))
+            step(net, opt, (x, y))
+        net.eval(), judged[side].eval()
+        x = record.batches[0][1]
+        assert torch.allclose(net(x), judged[side](x), atol=1e-5), side
+    # the verdict's two sides are the cooled copies' losses, the run's first
+    first = [out for i, out in scored if i in judged["ids"]][:2]
+    assert [i for i, _ in scored if i in judged["ids"]][:2] == list(judged["ids"])
+    entry = grow.history[1]["fork"]
+    assert entry["loss_before"] == pytest.approx(float(first[0].mean()), rel=1e-12)
+    assert entry["loss_now"] == pytest.approx(float(first[1].mean()), rel=1e-12)
+    assert entry["gain_frac"] == pytest.approx(float((first[0] - first[1]).mean() / first[0].mean()), rel=1e-9)
+
+
+def test_cooling_leaves_the_run_and_the_arm_at_the_runs_rate(tmp_path, monkeypatch):
+    """The cooled copies are copies: the run trains as without a fork (test above), and the arm
+    the run adopts is the one stepped at the run's rate, not the cooled one."""
+    from dataclasses import replace
+
+    seen = {}
+    real_adopt = fork_check.adopt
+
+    def spy_adopt(network, optimizer, arm, arm_opt):
+        seen.setdefault("arm", arm)
+        return real_adopt(network, optimizer, arm, arm_opt)
+
+    real = fork_check.fork_verdict
+    monkeypatch.setattr(fork_check, "fork_verdict", lambda test, **k: real(test, **k) if test is None else replace(
+        real(test, **k), saturated=False, site=k["site"]))  # fmt: skip
+    monkeypatch.setattr(fork_check, "adopt", spy_adopt)
+    cooled = {}
+    real_judge = fork_check.PairedFork.judge
+
+    def spy_judge(self, inputs):
+        if self.cool is not None and not cooled:
+            cooled.update(arm=self.cool[1][0], live=self.arm)
+        return real_judge(self, inputs)
+
+    monkeypatch.setattr(fork_check.PairedFork, "judge", spy_judge)
+    fit(tmp_path, [fork_cb()], max_epochs=4)
+    assert seen["arm"] is cooled["live"] and seen["arm"] is not cooled["arm"]
 
 
 def test_with_gradient_accumulation_the_arm_steps_when_the_run_does(tmp_path):
@@ -402,3 +468,64 @@ def test_a_fork_refuses_a_probe_holding_one_training_sample(tmp_path):
     with pytest.raises(ValueError, match=r"^probe: the probe sample overlaps the training data \(1 sample"):
         trainer.fit(model, dm)
     assert grow.history == [] and model.network.depth() == 3  # nothing was checked or grown
+
+
+# -- decision="stage_fork": one more block in every stage -------------------------------------------
+def test_an_arm_at_several_sites_is_the_network_grown_at_each_and_can_be_adopted():
+    """Independent construction: the network grown by hand at the three sites (deepest index first
+    within a stage, as the callback's growth inserts) has the arm's parameter names and shapes, and
+    a run grown so takes the arm's weights and optimizer state."""
+    net = tiny_net()
+    opt = sgd(net)
+    arm, arm_opt, _, refs = make_arm(net, opt, ["layer3.1", "layer1.0", "layer1.1"], seed=3)
+    assert refs == [0, 0, 0] and len(arm_opt.param_groups) == len(opt.param_groups) + 3
+    by_hand = copy.deepcopy(net)
+    for k, site in enumerate(["layer1.1", "layer1.0", "layer3.1"]):
+        by_hand.grow(site, by_hand.new_block(site, seed=3 + k))
+    assert [(n, p.shape) for n, p in arm.named_parameters()] == [(n, p.shape) for n, p in by_hand.named_parameters()]
+    x = batches(1)[0][0]
+    arm.eval(), by_hand.eval(), net.eval()
+    assert torch.equal(arm(x), net(x)) and torch.equal(by_hand(x), net(x))  # function-preserving, all three
+    for name, p in by_hand.named_parameters():  # the same blocks: the seeds follow the insertion order
+        assert torch.equal(p, dict(arm.named_parameters())[name]), name
+
+
+def test_a_stage_fork_grows_one_block_in_every_stage_and_adopts_the_arm(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    real = fork_check.fork_verdict  # every judged fork "pays"
+    monkeypatch.setattr(fork_check, "fork_verdict", lambda test, **k: real(test, **k) if test is None else replace(
+        real(test, **k), saturated=False, site=k["site"]))  # fmt: skip
+    seen = {}
+    real_adopt = fork_check.adopt
+
+    def spy_adopt(network, optimizer, arm, arm_opt):
+        seen.setdefault("arm", copy.deepcopy(arm))
+        out = real_adopt(network, optimizer, arm, arm_opt)
+        seen.setdefault("run", copy.deepcopy(network))
+        return out
+
+    monkeypatch.setattr(fork_check, "adopt", spy_adopt)
+    grow = fork_cb(decision="stage_fork", max_growths=1)
+    model, _ = fit(tmp_path, [grow], max_epochs=4)
+    opened = grow.history[0]["fork"]["next_site"]
+    assert len(opened) == 3 and len({s.rpartition(".")[0] for s in opened}) == 3  # one site per stage
+    grew = grow.history[1]
+    assert grew["action"] == "grow" and sorted(grew["sites"]) == sorted(opened)
+    assert model.network.depth() == 6 and [len(model.network.stage(s)) for s in ("layer1", "layer2", "layer3")] == [2, 2, 2]
+    x = tiny_dm_batch()
+    seen["arm"].eval(), seen["run"].eval()
+    assert torch.equal(seen["arm"](x), seen["run"](x))  # the run is the arm it judged
+
+
+def tiny_dm_batch():
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(4, 3, 8, 8, generator=g)
+
+
+def test_a_stage_fork_that_does_not_pay_ends_growth_without_trying_a_stage_alone(tmp_path):
+    grow = fork_cb(decision="stage_fork", min_gain=10.0)
+    model, _ = fit(tmp_path, [grow], max_epochs=6)
+    assert [h["action"] for h in grow.history] == ["fork", "saturated"]
+    assert model.network.depth() == 3
+    assert "stage_fork" in str(GrowUntilSaturated.__init__.__annotations__["decision"])

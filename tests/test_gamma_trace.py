@@ -1,6 +1,6 @@
-"""gamma_trace.png tells the run's story: every growth, the stop and its reason, the final network
-(and, for an earlier version's history, every undo); its panels show what decided under the rule in
-force (synthetic histories, expected values read off the records here, not from the plotting code)."""
+"""gamma_trace.png tells the run's story: every growth, the stop and its reason, the final network;
+its panels show what decided under the rule in force (synthetic histories, expected values read off
+the records here, not from the plotting code)."""
 
 from __future__ import annotations
 
@@ -84,34 +84,31 @@ def test_under_the_trial_rule_the_trial_panel_shows_what_decided():
 
 
 def gain_history():
-    """A history of an earlier version's decision="gain" with restore_best (both removed; its
-    growth_history.json stays plottable): grew at 11 and 20; at 29 the second block did not pay and
-    was undone."""
+    """A history of an earlier version's decision="gain" (removed; the growth_history.json files in
+    docs/results stay plottable): grew at 11 and 20; at 29 the second block did not pay."""
     gain = lambda score, need, sat: {"rule": "gain", "score": score, "margin": need, "saturated": sat}  # noqa: E731
     base = {"gamma": 0.2, "threshold": 0.6, "margin": 0.0, "rule": "crossfit", "lower": 0.02}
-    restored = {"removed_sites": ["layer1.2"], "removed_blocks": 1, "check": 1, "epoch": 20, "depth": 4}
     return [
         {**base, "epoch": 11, "action": "grow", "site": "layer1.1", "sites": ["layer1.1"], "depth_before": 3, "depth": 4},
         {**base, "epoch": 20, "action": "grow", "site": "layer1.2", "sites": ["layer1.2"], "depth_before": 4,
          "depth": 5, "gain": gain(0.05, 0.006, False)},
-        {**base, "epoch": 29, "action": "saturated", "site": None, "sites": [], "depth_before": 5, "depth": 4,
-         "gain": gain(-0.001, 0.005, True), "restored": restored,
-         "reason": "no certified gain: the last block did not pay; restored the network of check 1"},
+        {**base, "epoch": 29, "action": "saturated", "site": None, "sites": [], "depth_before": 5, "depth": 5,
+         "gain": gain(-0.001, 0.005, True), "reason": "no certified gain: the last block did not pay"},
     ]  # fmt: skip
 
 
-def test_an_undo_is_marked_and_the_final_network_is_the_restored_one(tmp_path):
+def test_a_gain_history_shows_the_realized_gain_panel_its_growths_and_its_stop(tmp_path):
     fig = plot_gamma_trace(gain_history(), tmp_path / "trace.png")
     gain, first, paper = fig.axes  # what decided on top
     assert _points(gain)["certified gain of the last block"] == ([20, 29], [0.05, -0.001])
     for ax in fig.axes:
-        assert _vlines(ax, "C3", "-") == [11, 20] and _vlines(ax, "C4", "--") == [29] and _vlines(ax, "k", ":") == [29]
-    assert "undone: layer1.2 → depth 4" in _notes(gain) and "stop: no certified gain" in _notes(gain)
+        assert _vlines(ax, "C3", "-") == [11, 20] and _vlines(ax, "k", ":") == [29]
+    assert {"layer1.1", "layer1.2", "stop: no certified gain"} <= set(_notes(gain))
     labels = [line.get_label() for line in gain.get_lines()]
-    assert "block undone (restore_best)" in labels and "growth stopped" in labels
+    assert "block inserted" in labels and "growth stopped" in labels
     footer = fig._supxlabel.get_text().replace("\n", " ")
-    assert "Final network: depth 4 (started at 3); blocks grown and kept: layer1.1; undone: layer1.2." in footer
-    assert "restored the network of check 1" in footer
+    assert "Final network: depth 5 (started at 3); blocks grown and kept: layer1.1, layer1.2." in footer
+    assert "the last block did not pay" in footer
     assert (tmp_path / "trace.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -219,5 +216,5 @@ def test_the_callbacks_final_state_is_the_footer():
     assert final == {"start_depth": 3, "finished": "saturated", "stop_reason": "the reason", "depth": 4,
                      "sites": ["layer1.1"]}  # fmt: skip
     footer = plot_gamma_trace(gain_history(), final=final)._supxlabel.get_text().replace("\n", " ")
-    assert "depth 4 (started at 3); blocks grown and kept: layer1.1;" in footer
+    assert "depth 4 (started at 3); blocks grown and kept: layer1.1." in footer
     assert "(no certified gain): the reason" in footer  # the gain's stop certifies no upper bound

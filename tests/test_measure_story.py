@@ -1,5 +1,5 @@
 """`growtrain measure` says which question it answers (the first-order value of a new block, not
-the trial's or the realized gain) and, on a checkpoint whose fit ended growth, how its verdict
+the trial's or the window's) and, on a checkpoint whose fit ended growth, how its verdict
 relates to the fit's (read from the growth callback's state in the checkpoint); it measures on the
 split the checkpoint was trained with (or refuses), and says why its figures can differ from the
 fit's last check (and reproduces them when nothing differs)."""
@@ -43,6 +43,8 @@ def fit(tmp_path, decision="trial", min_gain=10.0, **kw):
     L.seed_everything(0)
     if decision == "window":
         how = {"schedule": "periodic", "every_n_epochs": 1, "window": 2}
+    elif decision in ("fork", "stage_fork"):  # a fork opened at the first check, judged at the next: 10x never pays
+        how = {"schedule": "periodic", "every_n_epochs": 1}
     else:
         how = {"every_n_epochs": 2, "lr_schedule": "anneal"}
     grow = GrowUntilSaturated(monitor=None, min_gain=min_gain, decision=decision, max_growths=3, anneal_epochs=1,
@@ -87,18 +89,20 @@ def test_the_fits_verdict_is_read_from_the_checkpoint_and_related():
 @pytest.mark.parametrize("decision, how", [
     ("trial", "block-only trials (decision='trial')"),
     ("window", "(decision='window')"),
+    ("stage_fork", "the paired fork (decision='fork' or 'stage_fork')"),
 ])  # fmt: skip
 def test_measure_on_a_fit_that_ended_growth_says_how_the_verdicts_relate(tmp_path, decision, how):
     """A planted fit ends growth by its decision (nothing pays min_gain=10); measure on its last.ckpt
     names its question, the fit's verdict and the decision that made it, and how the two relate: the
     fit's side a certification that failed, never the first-order question this report answers."""
     grow, _, _ = fit(tmp_path, decision=decision)
-    assert grow.finished == "saturated" and decision in grow.history[-1]
+    key = "fork" if decision == "stage_fork" else decision  # the check record's entry
+    assert grow.finished == "saturated" and key in grow.history[-1]
     assert grow.history[-1]["rule"] == "crossfit"  # the first-order rule that only chose the sites
     result = run_measure(ImageClassifier(width=4, num_classes=4), tiny_dm(),
                          ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), output_dir=tmp_path / "measure")  # fmt: skip
     assert result.fit == {"finished": "saturated", "stop_reason": grow.stop_reason, "checks": len(grow.history),
-                          "decided_by": decision}  # fmt: skip
+                          "decided_by": key}  # fmt: skip
     caption = result.caption()
     assert QUESTION in caption and "first-order value of one new zero-output block" in caption
     assert f"stopped growing ({grow.stop_reason}); it decided by " in caption and how in caption
@@ -188,10 +192,9 @@ def test_measure_reproduces_the_fits_last_check_when_nothing_differs(stopped):
 
 def test_differences_names_each_reason_that_applies():
     """Trained after the check, grown there, another seed, level, t, rule, δ: each listed when (and only
-    when) it applies. A checkpoint of an earlier version can also say its check undid a growth
-    (restore_best) or that its checks ran uncalibrated (calibrate=False): those reasons stay too."""
+    when) it applies."""
     base = {"check": 3, "step": 50, "checkpoint_step": 50, "alpha": 0.05, "error_bound": 0.05, "t": 0.4,
-            "rule": "crossfit", "delta": 0.0, "action": "saturated", "sites": [], "restored": False}  # fmt: skip
+            "rule": "crossfit", "delta": 0.0, "action": "saturated", "sites": []}  # fmt: skip
     report = SimpleNamespace(alpha=0.05, rule="crossfit", delta=0.0)
     same = dict(seed=3003, fit_growth={"seed": 3})  # what a fit records now (growtrain.trainer's measure)
     assert differences(base, report, **same) == []
@@ -199,7 +202,6 @@ def test_differences_names_each_reason_that_applies():
         "trained on for 30 optimizer step(s) (the check at step 50, this checkpoint at step 80": {
             "checkpoint_step": 80},
         "that check then grew the network at layer2.1": {"action": "grow", "sites": ["layer2.1"]},
-        "that check undid the growth before it (restore_best)": {"restored": True},
         "level: that check tested at α=0.0125": {"alpha": 0.0125, "error_bound": 0.0125},
         "t: that check's was given (t=1e-06, the callback's t), this report's derived from alpha": {
             "t": 1e-6, "error_bound": 1.0},
@@ -211,8 +213,6 @@ def test_differences_names_each_reason_that_applies():
         assert reason.startswith(text) or text in reason, (text, reason)
     (seeded,) = differences(base, report, seed=0)  # the callback's seed unknown: its formula
     assert "seed = GrowUntilSaturated's seed × 1000 + 3 (check 3), this report with seed=0" in seeded
-    (calibration,) = differences(base, report, seed=3003, fit_growth={"seed": 3, "calibrate": False})
-    assert calibration.startswith("candidate BatchNorm calibration: the fit's checks ran with calibrate=False")
     (mixed,) = differences(base, report, seed=3003, fit_growth={"seed": 3, "precision": "bf16-mixed"})
     assert mixed.startswith("precision: the fit's checks ran the probe under autocast (precision=bf16-mixed)")
     assert differences(base, report, seed=3003, fit_growth={"seed": 3, "precision": "32-true"}) == []

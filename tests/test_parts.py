@@ -95,12 +95,12 @@ def test_the_anneal_follows_the_cosine_sets_schedulers_aside_and_restores_the_ra
     assert sum(rates, []) == pytest.approx(sum(want, [])) and all(r > 0 for row in rates for r in row)
     assert trainer.strategy.lr_scheduler_configs == [theirs]  # only this optimizer's scheduler set aside
     state = anneal.state_dict()
-    assert state == {"anneal_done": 3, "anneal_kind": "stage", "anneal_base_lrs": [0.1, 0.04]}  # earlier versions' keys
+    assert state == {"anneal_done": 3, "anneal_kind": "stage", "anneal_base_lrs": [0.1, 0.04]}
     anneal.end(optimizer)
     assert [g["lr"] for g in optimizer.param_groups] == [0.1, 0.04] and not anneal.active
     again = LrAnneal(epochs=3)
-    again.load_state_dict({"anneal_done": 1, "anneal_base_lrs": [0.1, 0.04]})  # an older state: no kind
-    assert again.kind == "final" and again.done == 1
+    again.load_state_dict({"anneal_done": 1, "anneal_kind": "final", "anneal_base_lrs": [0.1, 0.04]})
+    assert (again.kind, again.done, again.base_lrs) == ("final", 1, [0.1, 0.04])
     assert LrAnneal(epochs=3).start(None, "final") is False  # no optimizer: nothing to anneal
 
 

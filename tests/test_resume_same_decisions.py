@@ -18,6 +18,7 @@ import csv
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 import pytest
 import torch
 
@@ -129,6 +130,38 @@ def test_a_fit_cut_while_a_fork_is_open_resumes_into_the_same_fork_and_decisions
     last = Path(stopped.trainer.log_dir) / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=False)["callbacks"]  # the fork's arm is in there (checked below by its effect)
     resumed = GrowtrainCLI(args=_args(tmp_path / "resumed", *FORK, f"--ckpt_path={last}"))
+    assert _decisions(_grower(resumed.trainer).history) == expected
+    for (name, a), (_, b) in zip(whole.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_a_fit_cut_while_a_forks_copies_cool_resumes_into_the_same_decisions(tmp_path):
+    """The cooled copies (weights, optimizer state, the rates they anneal from, the steps done)
+    travel in last.ckpt too: with a check every 40 optimizer steps, the last 5 of a fork's horizon
+    cool, and the fit is cut at the epoch end that falls among them."""
+    fork = [*FORK[:1], "--trainer.callbacks.every_n_epochs=null", "--trainer.callbacks.every_n_train_steps=40",
+            *FORK[2:]]  # fmt: skip
+    whole = GrowtrainCLI(args=_args(tmp_path / "whole", *fork))
+    expected = _decisions(_grower(whole.trainer).history)
+    per_epoch = whole.trainer.num_training_batches
+    judged = next(r for r in expected if (r.get("fork") or {}).get("gain_frac") is not None)
+    assert judged["fork"]["cooled"] and judged["fork"]["cool_steps"] == 5
+    begin = judged["fork"]["opened"]["step"] + 40 - 5  # the cooled copies were made after this step
+    cuts = [e for e in range(whole.trainer.current_epoch) if begin < (e + 1) * per_epoch < begin + 5]
+    assert cuts, (begin, per_epoch)  # an epoch end inside the cool-down
+    stopped = GrowtrainCLI(args=_args(tmp_path / "resumed", *fork)[1:], run=False)
+    # the quickstart's last.ckpt follows its best_train (Lightning saves `last` only when a top-k
+    # checkpoint was saved): a checkpoint of every epoch end, to cut exactly there
+    every = ModelCheckpoint(dirpath=tmp_path / "cut", filename="cut", monitor=None, save_top_k=1)
+    stopped.trainer.callbacks[:0] = [StopAtEpochEnd(cuts[0])]
+    stopped.trainer.callbacks.append(every)
+    stopped.trainer.fit(stopped.model, datamodule=stopped.datamodule)
+    last = tmp_path / "cut" / "cut.ckpt"
+    state = torch.load(last, weights_only=False)
+    assert state["global_step"] == (cuts[0] + 1) * per_epoch
+    saved = next(v for k, v in state["callbacks"].items() if k.startswith("GrowUntilSaturated"))["fork"]
+    assert 0 < saved["cool_steps"] < 5 and len(saved["cool"]) == 2  # cut mid-cool
+    resumed = GrowtrainCLI(args=_args(tmp_path / "resumed", *fork, f"--ckpt_path={last}"))
     assert _decisions(_grower(resumed.trainer).history) == expected
     for (name, a), (_, b) in zip(whole.model.state_dict().items(), resumed.model.state_dict().items()):
         assert torch.equal(a, b), name

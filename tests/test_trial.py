@@ -229,18 +229,6 @@ def test_bad_trial_options_are_refused_naming_the_argument(kw, arg):
         GrowUntilSaturated(**kw)
 
 
-@pytest.mark.parametrize("option, fix", [
-    ("trial_lr", r"DEFAULT_TRIAL_LR \(1e-3\)"),
-    ("trial_holdout", r"DEFAULT_TRIAL_HOLDOUT \(20,000\)"),
-    ("trial_sites", r"TRIAL_SITES = 3"),
-    ("trial_growth", r"decision='trial' tries a block at every check"),
-])  # fmt: skip
-def test_a_removed_trial_option_is_refused_naming_it_and_its_fix(option, fix):
-    """The trial's rate, hold-out and sites are constants now; trial_growth went with decision="gain"."""
-    with pytest.raises(TypeError, match=rf"^GrowUntilSaturated: option\(s\) {option} were removed .*Fix: {option}: .*{fix}"):
-        GrowUntilSaturated(min_gain=0.01, **{option: 1})
-
-
 def test_the_trials_run_with_the_constants_that_replaced_their_options():
     from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_HOLDOUT, DEFAULT_TRIAL_LR, TRIAL_SITES
 

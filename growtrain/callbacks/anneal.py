@@ -2,7 +2,7 @@
 (``lr_schedule="anneal"``) and the final network's after growth ends (``on_saturated="anneal"``).
 
 A collaborator of ``GrowUntilSaturated`` with its own state (``anneal_done``, ``anneal_kind``,
-``anneal_base_lrs``: the checkpoint keys of earlier versions, so their checkpoints resume).
+``anneal_base_lrs``, in the callback's checkpoint).
 """
 
 from __future__ import annotations
@@ -86,5 +86,5 @@ class LrAnneal:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.done = state.get("anneal_done")
-        self.kind = state.get("anneal_kind", "final" if self.done is not None else None)
+        self.kind = state.get("anneal_kind")
         self.base_lrs = [float(v) for v in state.get("anneal_base_lrs", [])]

@@ -7,7 +7,7 @@ Functions over the trainer and the module; the callback keeps only its counters.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
@@ -18,7 +18,7 @@ from growtrain import fsdp
 from growtrain.batches import to_device
 from growtrain.callbacks import sharded
 from growtrain.callbacks.probe_data import ProbeView, eval_output
-from growtrain.growable import grown_blocks
+from growtrain.growable import grown_blocks, insertion_order
 from growtrain.reconfigure import reconfigure_optimizer
 
 __all__ = ["FunctionChangedError", "insertion_order", "grow", "optimizer_for", "rewrap_ddp"]
@@ -26,17 +26,6 @@ __all__ = ["FunctionChangedError", "insertion_order", "grow", "optimizer_for", "
 
 class FunctionChangedError(RuntimeError):
     """An inserted block changed the network's output: the insertion was rolled back."""
-
-
-def insertion_order(names: Sequence[str]) -> list[str]:
-    """Sites as ``stage.index`` names, deepest index first within a stage, so that inserting one
-    never shifts the index of a site not yet used."""
-
-    def key(name: str):
-        stage, _, index = name.rpartition(".")
-        return (stage, -int(index)) if index.isdigit() else (name, 0)
-
-    return sorted(names, key=key)
 
 
 def grow(trainer: Trainer, pl_module: LightningModule, network: nn.Module, blocks: Mapping[str, nn.Module],

@@ -4,12 +4,21 @@ A collaborator with its own state. At a check with no fork open it opens one at 
 first-order site (growtrain.fork says what a fork is); on every training batch after that the
 arm takes one optimizer step on the batch the run just trained on, as the training step received
 it (after the batch hooks and the transfer), under the trainer's precision context, at the run's
-rate at that step, with the trainer's gradient clipping. At the next check both sides are scored
-on the probe (the mean of each sample's loss over the second half of the horizon) and the verdict
-is ``growtrain.fork.fork_verdict``'s: grow (the run grows the same block and takes the arm's
-weights and optimizer state, so the compute the arm spent is kept), or the block did not pay: the
-arm is dropped (the run is the control, trained as it would have been) and a fork opens at the best
-site of a stage not tried since the last growth; when every stage has had its fork, growth ends.
+rate at that step, with the trainer's gradient clipping. Over the horizon's last eighth a copy of
+the run and a copy of the arm, each with a copy of its optimizer, are *cooled*: trained on the
+same batches with their rates annealed to zero (a cosine), while the run and the arm go on at the
+run's rate. At the next check the two cooled copies are scored on the probe and the verdict is
+``growtrain.fork.fork_verdict``'s: grow (the run grows the same block and takes the arm's weights
+and optimizer state, not the cooled copy's, so the compute the arm spent is kept and the run stays
+at its own rate), or the block did not pay: the arm is dropped (the run is the control, trained as
+it would have been) and a fork opens at the best site of a stage not tried since the last growth;
+when every stage has had its fork, growth ends.
+
+Why cooled: at the run's constant rate SGD wanders around its basin, and the probe loss with it.
+On full Fashion-MNIST (experiments/fork_anneal.py) three arms differing only in the block's seed
+scored -16 % to +1 % against the run at the constant rate one epoch into a fork; the same arms
+cooled over 111 steps scored -0.8 % to +1.4 %, each within its paired se (about 1 %). A cooled
+side is what the network would be if training ended there, which is what the block is worth to it.
 
 What is held out from what: the probe is never trained on by the run, the arm or any earlier
 network (the datamodule's probe split, disjoint from the training split by index, checked at
@@ -23,6 +32,8 @@ fit judges the same fork.
 
 from __future__ import annotations
 
+import copy
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -34,17 +45,16 @@ from torch import nn
 from growtrain.callbacks.editor import optimizer_for
 from growtrain.callbacks.probe_data import Converted, ProbeView, per_sample_losses
 from growtrain.callbacks.trial_check import trial_candidates
-from growtrain.fork import adopt, fork_test, fork_verdict, make_arm, mirror_lrs, warmup
+from growtrain.fork import adopt, copy_optimizer, fork_test, fork_verdict, make_arm, mirror_lrs, warmup
 from growtrain.reconfigure import add_param_groups, new_param_groups
+from growtrain.saturation_report import best_scored_site
 
-__all__ = ["PairedFork", "swapped", "SCORE_FRACTIONS"]
+__all__ = ["PairedFork", "swapped", "cosine", "COOL_FRACTION", "WARMUP_FRACTION"]
 
-# Where in the horizon (fractions of the steps between two checks) both sides are scored besides
-# the check itself; each sample's loss is averaged over these points.
-SCORE_FRACTIONS = (0.5, 0.625, 0.75, 0.875)
-# The block's rate ramps up linearly over this fraction of the horizon (growtrain.fork.warmup says
-# why); the scoring points above all lie after it.
+# The block's rate ramps up linearly over this fraction of the horizon (growtrain.fork.warmup says why).
 WARMUP_FRACTION = 0.5
+# The horizon's last fraction over which both sides' cooled copies anneal to zero before they are scored.
+COOL_FRACTION = 0.125
 
 
 def next_site(report: Any, failed: list[str]) -> str | None:
@@ -58,6 +68,12 @@ def next_site(report: Any, failed: list[str]) -> str | None:
         if (site.rpartition(".")[0] or site) not in tried:
             return site
     return None
+
+
+def cosine(step: int, steps: int) -> float:
+    """A cooled copy's rate factor at its ``step``-th optimizer step (1-based) of ``steps``: a
+    cosine from 1 (the first step, at the rate it was copied with) towards 0."""
+    return 0.5 * (1.0 + math.cos(math.pi * (step - 1) / max(1, steps)))
 
 
 @contextmanager
@@ -80,41 +96,59 @@ def swapped(module: nn.Module, network: nn.Module, replacement: nn.Module) -> It
     raise RuntimeError("fork: the growable network is not a submodule of the LightningModule; the arm cannot run")
 
 
+def _copy(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, Any]:
+    """A deep copy of ``module`` and a copy of ``optimizer`` over it (state cloned, by identity)."""
+    memo: dict[int, Any] = {}
+    twin = copy.deepcopy(module, memo)
+    mapping = {id(p): memo[id(p)] for p in module.parameters() if id(p) in memo}
+    return twin, (copy_optimizer(optimizer, mapping) if optimizer is not None else None)
+
+
+def _cpu(module: nn.Module) -> dict:
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+
 class PairedFork:
     """Opens, trains and judges one fork at a time (see the module docstring)."""
 
     key = "fork"  # the check record's entry (history[i]["fork"])
 
-    def __init__(self, *, min_gain: float, seed: int = 0, horizon: str = "the interval"):
+    def __init__(self, *, min_gain: float, seed: int = 0, horizon: str = "the interval", per_stage: bool = False):
         self.min_gain, self.seed, self.horizon = float(min_gain), int(seed), horizon
+        self.per_stage = bool(per_stage)  # decision="stage_fork": the arm has one more block in every stage
         self.forks = 0  # forks opened so far: seeds each arm's block and bootstrap
         self.failed: list[str] = []  # sites whose fork did not pay since the last growth
         self.uppers: list[float] = []  # their upper bounds (fractions of the loss)
-        self.site: str | None = None  # the open fork's site (None: no fork open)
+        self.site: str | None = None  # the open fork's site(s) in words (None: no fork open)
+        self.sites: list[str] = []  # its sites
         self.opened: dict | None = None  # epoch and step at which it opened
         self.arm: nn.Module | None = None
         self.arm_opt: torch.optim.Optimizer | None = None
         self.refs: list[int] = []
         self.ratios: list[float] = []
         self.steps = 0  # arm optimizer steps since the fork opened
-        self._pending: dict | None = None  # a checkpoint's arm, rebuilt at the first batch
+        # the cooled copies: [control, arm] with their optimizers, the rates they were copied with, steps taken
+        self.cool: list[tuple[nn.Module, Any]] | None = None
+        self.cool_lrs: list[list[float]] = []
+        self.cool_steps = 0
+        self._pending: dict | None = None  # a checkpoint's arm (and cooled copies), rebuilt at the first batch
         self._optimizer: torch.optim.Optimizer | None = None  # the run's optimizer the arm mirrors
         self._last_step: int | None = None  # trainer.global_step at the last arm step
-        self.seconds = 0.0  # wall time of arm steps and scoring, this process (not saved)
-        self._sums: list[torch.Tensor] | None = None  # per-sample probe losses summed over the scoring points
-        self._points = 0
+        self.seconds = 0.0  # wall time of arm and cooled steps and scoring, this process (not saved)
 
     # -- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         state = {"forks": self.forks, "failed": list(self.failed), "uppers": list(self.uppers), "site": self.site,
+                 "sites": list(self.sites),
                  "opened": self.opened, "steps": self.steps, "refs": list(self.refs), "ratios": list(self.ratios),
-                 "points": self._points,
-                 "sums": None if self._sums is None else [t.clone() for t in self._sums]}  # fmt: skip
+                 "cool_lrs": [list(v) for v in self.cool_lrs], "cool_steps": self.cool_steps}  # fmt: skip
         if self.arm is not None:
-            state["arm"] = {k: v.detach().cpu().clone() for k, v in self.arm.state_dict().items()}
+            state["arm"] = _cpu(self.arm)
             state["arm_opt"] = self.arm_opt.state_dict() if self.arm_opt is not None else None
+            if self.cool is not None:
+                state["cool"] = [{"net": _cpu(m), "opt": o.state_dict() if o is not None else None} for m, o in self.cool]
         elif self._pending is not None:
-            state["arm"], state["arm_opt"] = self._pending["arm"], self._pending["arm_opt"]
+            state.update({k: v for k, v in self._pending.items() if k in ("arm", "arm_opt", "cool")})
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -122,17 +156,20 @@ class PairedFork:
         self.failed = list(state.get("failed", []))
         self.uppers = [float(u) for u in state.get("uppers", [])]
         self.site, self.opened, self.steps = state.get("site"), state.get("opened"), int(state.get("steps", 0))
+        self.sites = list(state.get("sites", []))
         self.refs, self.ratios = list(state.get("refs", [])), list(state.get("ratios", []))
-        self._points, self._sums = int(state.get("points", 0)), state.get("sums")
+        self.cool_lrs = [[float(x) for x in v] for v in state.get("cool_lrs", [])]
+        self.cool_steps, self.cool = int(state.get("cool_steps", 0)), None
         self.arm, self.arm_opt, self._last_step = None, None, None
-        self._pending = {"arm": state["arm"], "arm_opt": state.get("arm_opt")} if self.site and "arm" in state else None
+        self._pending = ({"arm": state["arm"], "arm_opt": state.get("arm_opt"), "cool": state.get("cool")}
+                         if self.site and "arm" in state else None)  # fmt: skip
 
     def _seed(self, k: int) -> int:
         return self.seed * 100019 + k
 
     # -- the arm ----------------------------------------------------------------------------
-    def _build(self, pl_module: Any, network: nn.Module, optimizer: Any, site: str, seed: int) -> list[int]:
-        """The arm at ``site`` (block seed ``seed``) from the network and optimizer as they are now;
+    def _build(self, pl_module: Any, network: nn.Module, optimizer: Any, sites: list[str], seed: int) -> list[int]:
+        """The arm at ``sites`` (block seeds from ``seed``) from the network and optimizer as they are now;
         the optimizer is kept, so a training batch does not look it up again."""
 
         def groups(block, arm_opt):
@@ -140,39 +177,97 @@ class PairedFork:
             add_param_groups(arm_opt, new)
             return refs
 
-        self.arm, self.arm_opt, _, refs = make_arm(network, optimizer, site, seed, new_groups=groups)
+        self.arm, self.arm_opt, _, refs = make_arm(network, optimizer, sites, seed, new_groups=groups)
         self._optimizer = optimizer
         return refs
 
-    def open(self, pl_module: Any, network: nn.Module, optimizer: Any, site: str, *, epoch: int, step: int) -> None:
-        """A fork at ``site``: the arm from the network and optimizer as they are now."""
-        self.refs = self._build(pl_module, network, optimizer, site, self._seed(self.forks))
+    def first_sites(self, report: Any) -> str | list[str] | None:
+        """Where a fork opens after a growth or at the first check: the best first-order site, or
+        (``per_stage``) the best site of every stage."""
+        if self.per_stage:
+            return trial_candidates(report, limit=len(report.sites)) or None
+        return best_scored_site(report)
+
+    def open(self, pl_module: Any, network: nn.Module, optimizer: Any, site: str | list[str], *, epoch: int,
+             step: int) -> None:  # fmt: skip
+        """A fork at ``site`` (or at each of several sites): the arm from the network and optimizer as they are now."""
+        sites = [site] if isinstance(site, str) else list(site)
+        self.refs = self._build(pl_module, network, optimizer, sites, self._seed(self.forks))
         self.forks += 1
         n = len(optimizer.param_groups) if optimizer is not None else 0
         self.ratios = [float(self.arm_opt.param_groups[n + j]["lr"]) / float(optimizer.param_groups[r]["lr"])
                        if float(optimizer.param_groups[r]["lr"]) != 0 else 1.0
                        for j, r in enumerate(self.refs)] if optimizer is not None else []  # fmt: skip
-        self.site, self.opened, self.steps, self._last_step, self._pending = site, {"epoch": epoch, "step": step}, 0, step, None
-        self._sums, self._points = None, 0
+        self.sites, self.site = sites, ", ".join(sites)
+        self.opened, self.steps, self._last_step, self._pending = {"epoch": epoch, "step": step}, 0, step, None
+        self.cool, self.cool_lrs, self.cool_steps = None, [], 0
 
     def close(self) -> None:
+        self.sites = []
         self.site, self.opened, self.arm, self.arm_opt, self._pending = None, None, None, None, None
         self.refs, self.ratios, self.steps, self._optimizer = [], [], 0, None
-        self._sums, self._points = None, 0
+        self.cool, self.cool_lrs, self.cool_steps = None, [], 0
 
     def _rebuild(self, pl_module: Any, network: nn.Module, optimizer: Any) -> None:
         """The arm of a checkpoint: the same construction (the block's seed does not matter: its
-        weights are the saved ones), then its saved weights and optimizer state; the fork's counters
-        came with load_state_dict."""
-        self._build(pl_module, network, optimizer, self.site, self._seed(self.forks - 1))
+        weights are the saved ones), then its saved weights and optimizer state; the cooled copies
+        likewise (copies of the run and of the arm, then their saved weights and state); the fork's
+        counters came with load_state_dict."""
+        self._build(pl_module, network, optimizer, self.sites, self._seed(self.forks - 1))
         self.arm.load_state_dict(self._pending["arm"])
         if self.arm_opt is not None and self._pending.get("arm_opt") is not None:
             self.arm_opt.load_state_dict(self._pending["arm_opt"])
+        if self._pending.get("cool") is not None:
+            self.cool = [_copy(network, optimizer), _copy(self.arm, self.arm_opt)]
+            for (module, opt), saved in zip(self.cool, self._pending["cool"]):
+                module.load_state_dict(saved["net"])
+                if opt is not None and saved.get("opt") is not None:
+                    opt.load_state_dict(saved["opt"])
         self._pending = None
 
+    @staticmethod
+    def cool_length(horizon_steps: int | None) -> int | None:
+        """Steps the cooled copies anneal over: ``COOL_FRACTION`` of the horizon, at least one
+        (``None``: the horizon is unknown or too short to cool, and the check scores the run and
+        the arm as they are)."""
+        if not horizon_steps or horizon_steps < 2:
+            return None
+        return max(1, round(COOL_FRACTION * horizon_steps))
+
+    def _start_cool(self, network: nn.Module) -> None:
+        self.cool = [_copy(network, self._optimizer), _copy(self.arm, self.arm_opt)]
+        self.cool_lrs = [[float(g["lr"]) for g in o.param_groups] if o is not None else [] for _, o in self.cool]
+        self.cool_steps = 0
+
+    def _train(self, trainer: Any, pl_module: Any, network: nn.Module, module: nn.Module, x: Any, y: Any,
+               loss_fn: Any, accumulate: int) -> None:  # fmt: skip
+        """Forward and backward of ``module`` in the network's place on the batch."""
+        module.train(network.training)
+        with swapped(pl_module, network, module), trainer.precision_plugin.forward_context():
+            loss = loss_fn(pl_module(x), y)
+        (loss / accumulate).backward()
+
+    @staticmethod
+    def _step(trainer: Any, module: nn.Module, opt: torch.optim.Optimizer) -> None:
+        """One optimizer step of a side: gradients averaged over ranks, the trainer's clipping."""
+        params = [p for p in module.parameters() if p.grad is not None]
+        if trainer.world_size > 1:
+            for p in params:
+                torch.distributed.all_reduce(p.grad)
+                p.grad.div_(trainer.world_size)
+        clip = getattr(trainer, "gradient_clip_val", None)
+        if clip:
+            if getattr(trainer, "gradient_clip_algorithm", "norm") == "value":
+                torch.nn.utils.clip_grad_value_(params, clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
     def batch_end(self, trainer: Any, pl_module: Any, network: nn.Module, batch: Any, loss_fn: Any, *,
-                  marks: list[int] = (), score: Any = None, horizon_steps: int | None = None) -> None:  # fmt: skip
-        """One arm step on the batch the run just trained on (when the run stepped its optimizer)."""
+                  horizon_steps: int | None = None) -> None:  # fmt: skip
+        """One step of the arm (and of the cooled copies, once made) on the batch the run just
+        trained on (when the run stepped its optimizer)."""
         if self.site is None:
             return
         start = time.perf_counter()
@@ -181,58 +276,50 @@ class PairedFork:
             self._last_step = int(trainer.global_step) - 1
         accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
         x, y = trainer.precision_plugin.convert_input(batch[0]), batch[-1]
-        self.arm.train(network.training)
-        with swapped(pl_module, network, self.arm), trainer.precision_plugin.forward_context():
-            loss = loss_fn(pl_module(x), y)
-        (loss / accumulate).backward()
+        length = self.cool_length(horizon_steps)
+        cooling = self.cool is not None and self.cool_steps < (length or 0)  # once annealed, it waits for the check
+        sides = [self.arm] + ([m for m, _ in self.cool] if cooling else [])
+        for module in sides:
+            self._train(trainer, pl_module, network, module, x, y, loss_fn, accumulate)
         stepped = int(trainer.global_step) != self._last_step  # the run stepped its optimizer on this batch
-        if stepped and self.arm_opt is not None:
+        if stepped:
             self._last_step = int(trainer.global_step)
-            params = [p for p in self.arm.parameters() if p.grad is not None]
-            if trainer.world_size > 1:
-                for p in params:
-                    torch.distributed.all_reduce(p.grad)
-                    p.grad.div_(trainer.world_size)
-            clip = getattr(trainer, "gradient_clip_val", None)
-            if clip:
-                if getattr(trainer, "gradient_clip_algorithm", "norm") == "value":
-                    torch.nn.utils.clip_grad_value_(params, clip)
-                else:
-                    torch.nn.utils.clip_grad_norm_(params, clip)
-            ramp = round(WARMUP_FRACTION * horizon_steps) if horizon_steps else 0
-            mirror_lrs(self.arm_opt, self._optimizer, self.refs, self.ratios, warm=warmup(self.steps + 1, ramp))
-            self.arm_opt.step()
-            self.arm_opt.zero_grad(set_to_none=True)
+            if self.arm_opt is not None:
+                ramp = round(WARMUP_FRACTION * horizon_steps) if horizon_steps else 0
+                mirror_lrs(self.arm_opt, self._optimizer, self.refs, self.ratios, warm=warmup(self.steps + 1, ramp))
+                self._step(trainer, self.arm, self.arm_opt)
+            if cooling:
+                factor = cosine(self.cool_steps + 1, length)
+                for (module, opt), lrs in zip(self.cool, self.cool_lrs):
+                    if opt is not None:
+                        for group, lr in zip(opt.param_groups, lrs):
+                            group["lr"] = lr * factor
+                        self._step(trainer, module, opt)
+                self.cool_steps += 1
             self.steps += 1
-            if self.steps in marks and score is not None:
-                score()
+            if self.cool is None and length is not None and self.steps == horizon_steps - length:
+                self._start_cool(network)
         self.seconds += time.perf_counter() - start
 
-    def _score(self, trainer: Any, pl_module: Any, network: nn.Module, probe: Any, loss_fn: Any) -> None:
-        """Add each probe sample's loss under the run and under the arm, now, to the fork's sums."""
+    def _score(self, trainer: Any, pl_module: Any, network: nn.Module, probe: Any, loss_fn: Any,
+               ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Each probe sample's loss under the control and under the arm: the cooled copies when
+        they were made, else the run and the arm as they are."""
+        control, arm = self.cool[0][0] if self.cool is not None else network, (
+            self.cool[1][0] if self.cool is not None else self.arm)
         device = next(network.parameters()).device
+        out = []
         with trainer.precision_plugin.forward_context():
-            control = per_sample_losses(ProbeView(pl_module, network), Converted(probe, trainer), loss_fn, device)
-            with swapped(pl_module, network, self.arm):
-                arm = per_sample_losses(ProbeView(pl_module, self.arm), Converted(probe, trainer), loss_fn, device)
-        if self._sums is None:
-            self._sums = [torch.zeros_like(control), torch.zeros_like(arm)]
-        self._sums[0] += control
-        self._sums[1] += arm
-        self._points += 1
-
-    def marks(self, horizon_steps: int | None) -> list[int]:
-        """The arm steps after which both sides are scored besides the check itself: at 1/2, 5/8,
-        3/4 and 7/8 of the horizon (an SGD run at a constant rate wanders around its basin; the
-        mean over these points of each sample's loss is what the two sides are compared on)."""
-        if not horizon_steps or horizon_steps < 2:
-            return []
-        return sorted({max(1, round(horizon_steps * f)) for f in SCORE_FRACTIONS} - {horizon_steps})
+            for module in (control, arm):
+                with swapped(pl_module, network, module):
+                    out.append(per_sample_losses(ProbeView(pl_module, module), Converted(probe, trainer), loss_fn, device))
+        return out[0], out[1]
 
     # -- a check ----------------------------------------------------------------------------
     def judge(self, inputs: Any) -> tuple[Any, list[str], dict]:
         """The decision's interface: no fork open → a verdict that decides nothing (the callback
-        opens one); a fork open → the paired test of the arm against the run on the probe."""
+        opens one); a fork open → the paired test of the (cooled) arm against the (cooled) run on
+        the probe."""
         trainer, pl_module, network = inputs.trainer, inputs.pl_module, inputs.network
         if self.site is None:
             verdict = fork_verdict(None, site=None, min_gain=self.min_gain, horizon=self.horizon)
@@ -240,17 +327,17 @@ class PairedFork:
         if self.arm is None:  # resumed exactly at a check: rebuild before scoring
             self._rebuild(pl_module, network, optimizer_for(trainer, network))
         start = time.perf_counter()
-        self._score(trainer, pl_module, network, inputs.probe, inputs.loss_fn)  # the last point: the check itself
-        control, arm = self._sums[0] / self._points, self._sums[1] / self._points
+        control, arm = self._score(trainer, pl_module, network, inputs.probe, inputs.loss_fn)
+        scored = f"cooled over {self.cool_steps} steps" if self.cool is not None else "at the run's rate (not cooled)"
         test = fork_test(control, arm, min_gain=self.min_gain, level=inputs.level, seed=self._seed(self.forks))
-        verdict = fork_verdict(test, site=self.site, min_gain=self.min_gain, horizon=self.horizon)
+        verdict = fork_verdict(test, site=self.site, min_gain=self.min_gain, horizon=self.horizon, scored=scored)
         if trainer.world_size > 1:  # one decision on every rank: rank 0's
             verdict, test = trainer.strategy.broadcast((verdict, test), src=0)
         retry = None
         if verdict.saturated:  # the block at this site did not pay; another stage's best site may
             self.failed.append(self.site)
             self.uppers.append(float(test["upper_frac"]))
-            retry = next_site(inputs.report, self.failed)
+            retry = None if self.per_stage else next_site(inputs.report, self.failed)  # a stage fork tried every stage
             if retry is None:  # growth ends: certified only if every stage's fork bounded its block below min_gain
                 verdict = replace(verdict, certified=all(u < self.min_gain for u in self.uppers))
             else:
@@ -260,17 +347,18 @@ class PairedFork:
         else:
             self.failed, self.uppers = [], []
         self.seconds += time.perf_counter() - start
-        entry = {"site": self.site, "opened": self.opened, "arm_steps": self.steps, "points": self._points,
-                 "saturated": verdict.saturated,
+        entry = {"site": self.site, "opened": self.opened, "arm_steps": self.steps, "cool_steps": self.cool_steps,
+                 "cooled": self.cool is not None, "saturated": verdict.saturated,
                  "certified": verdict.certified, "lower_frac": verdict.score, "min_gain": self.min_gain,
                  "reason": verdict.reason, **{k: test[k] for k in ("gain_frac", "lower_frac", "upper_frac",
                                                                    "loss_before", "loss_now", "n", "level", "se")}}  # fmt: skip
         if retry is not None:
             entry["open_new"] = retry
-        return verdict, [self.site] if not (verdict.saturated or retry) else [], entry
+        return verdict, list(self.sites) if not (verdict.saturated or retry) else [], entry
 
     def adopt(self, network: nn.Module, optimizer: Any) -> int:
-        """The run (already grown at the fork's site) takes the arm's weights and optimizer state."""
+        """The run (already grown at the fork's site) takes the arm's weights and optimizer state
+        (the arm's, trained at the run's rate: not the cooled copy's)."""
         copied = adopt(network, optimizer, self.arm, self.arm_opt)
         self.close()
         return copied

@@ -35,7 +35,7 @@ from growtrain.callbacks import editor, guidance, probe_check, sharded, telemetr
 from growtrain.callbacks.anneal import LrAnneal, refuse_scheduler
 from growtrain.callbacks.editor import FunctionChangedError
 from growtrain.callbacks.fork_check import PairedFork
-from growtrain.callbacks.growth_config import REMOVED, GrowthConfig, removed_message
+from growtrain.callbacks.growth_config import GrowthConfig
 from growtrain.callbacks.monitor import StageMonitor
 from growtrain.callbacks.probe_data import Converted, Fingerprinted, check_probe_setup, first_input
 from growtrain.callbacks.schedule import CheckSchedule, steps_per_epoch
@@ -46,12 +46,11 @@ from growtrain.growable import probe_loss_for, resolve_network
 from growtrain.plots import outcome
 from growtrain.reconfigure import restart_schedulers
 from growtrain.saturation import SaturationReport
-from growtrain.saturation_report import best_scored_site
 from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_HOLDOUT, DEFAULT_TRIAL_LR, TRIAL_SITES
 
 __all__ = ["GrowUntilSaturated", "FunctionChangedError"]
 
-# Counters kept in the checkpoint (the same keys as earlier versions, so their checkpoints resume).
+# Counters kept in the checkpoint.
 _STATE_INTS = ("checks", "growths", "inserted")
 
 
@@ -100,9 +99,10 @@ class GrowUntilSaturated(Callback):
             ranks the sites otherwise; every check reports every verdict.
         min_gain: the fraction of the held-out loss a trial block (trial) or the last ``window``
             epochs (window) must certifiably gain for growth to go on; ``None``: the rule alone.
-        decision: ``"trial"`` (converged default), ``"window"`` (periodic default), ``"rule"``, or
+        decision: ``"trial"`` (converged default), ``"window"`` (periodic default), ``"rule"``,
             ``"fork"`` (periodic): the run against a copy with one more block, trained on the same
-            batches until the next check, compared on the probe (growtrain/fork.py).
+            batches until the next check, compared on the probe (growtrain/fork.py), or
+            ``"stage_fork"``: the same with one more block in every stage (grown together).
         trial_epochs: epochs of the training loader a trial block trains for (Adam, ≥ 100 steps).
         max_growths, max_params: budgets; reaching one ends growth (reason "budget").
         on_saturated: when growth ends: ``"stop"``, ``"continue"`` at that depth, or ``"anneal"``
@@ -140,7 +140,7 @@ class GrowUntilSaturated(Callback):
         t: float | None = None,
         rule: Literal["paper", "crossfit"] | None = None,
         min_gain: float | None = dec.DEFAULT_MIN_GAIN,
-        decision: Literal["trial", "window", "rule", "fork"] | None = None,
+        decision: Literal["trial", "window", "rule", "fork", "stage_fork"] | None = None,
         trial_epochs: float = DEFAULT_TRIAL_EPOCHS,
         max_growths: int | None = None,
         max_params: int | None = None,
@@ -149,16 +149,10 @@ class GrowUntilSaturated(Callback):
         lr_schedule: Literal["continue", "restart", "anneal"] = "continue",
         seed: int = 0,
         verbose: bool = True,
-        **removed: Any,
     ):
         super().__init__()
-        if removed:  # an option of an earlier version: name it and its replacement, before any state
-            unknown = sorted(set(removed) - set(REMOVED))  # a misspelling beside a removed option is named too
-            raise TypeError(" ".join(filter(None, [removed_message(removed), unknown and (
-                f"GrowUntilSaturated: unexpected option(s) {unknown}; the options are {GrowthConfig.names()}. "
-                "Fix: check the spelling against that list.")])))
         options = dict(locals())
-        for name in ("self", "__class__", "removed"):
+        for name in ("self", "__class__"):
             options.pop(name, None)
         self.config = GrowthConfig(**options)
         for name in GrowthConfig.names():  # the validated options as attributes (callback.rule, ...)
@@ -179,15 +173,16 @@ class GrowUntilSaturated(Callback):
             "window": lambda: WindowRule(window=self.window, min_gain=self.min_gain, seed=self.seed,
                                          unit="epoch" if self.every_n_train_steps is None else "step"),
             "rule": FirstOrderRule,
-            "fork": lambda: PairedFork(min_gain=self.min_gain, seed=self.seed, horizon=(
-                f"{self.every_n_epochs} epoch(s)" if self.every_n_train_steps is None
-                else f"{self.every_n_train_steps}+ optimizer step(s)")),
+            **{name: (lambda per_stage=(name == "stage_fork"): PairedFork(
+                min_gain=self.min_gain, seed=self.seed, per_stage=per_stage, horizon=(
+                    f"{self.every_n_epochs} epoch(s)" if self.every_n_train_steps is None
+                    else f"{self.every_n_train_steps}+ optimizer step(s)"))) for name in ("fork", "stage_fork")},
         }[self.decision]()  # fmt: skip
         self._trials = self._decider if isinstance(self._decider, BlockTrials) else None
         self._window = self._decider if isinstance(self._decider, WindowRule) else None
         self._fork = self._decider if isinstance(self._decider, PairedFork) else None
         self._reset_state()
-        self.probe_seconds = 0.0  # wall time inside measure_saturation, this process (not saved)
+        self.probe_seconds = 0.0  # wall time inside measure_saturation, this process (earlier ones: _before)
         self._pass_losses: list | None = None  # per-sample probe losses from the last pass (window)
         self._pass_probe: Fingerprinted | None = None  # the last pass's probe, with its sample fingerprints
         self._fit_start = 0.0
@@ -203,16 +198,38 @@ class GrowUntilSaturated(Callback):
         self.restart_pending = False
         self.start_depth: int | None = None
         self._schedule.load_state_dict({})
+        # seconds of checks (probe passes and the decision's work) and of fit before this process: a resumed fit's
+        # summary reports the whole fit's share
+        self._before = {"checks": 0.0, "fit": 0.0}
 
     def state_dict(self) -> dict[str, Any]:
         state = {k: getattr(self, k) for k in _STATE_INTS}
         state.update(history=self.history, finished=self.finished, stop_reason=self.stop_reason,
                      restart_pending=self.restart_pending, start_depth=self.start_depth,
                      **self._schedule.state_dict())  # fmt: skip
+        state["seconds"] = {"checks": self.check_seconds, "fit": self.fit_seconds}
         state = telemetry.plain(state)
-        if self._decider.key is not None:  # the decision's own state ("trials", "window": earlier versions' keys)
+        if self._decider.key is not None:  # the decision's own state
             state[self._state_key] = self._decider.state_dict()
         return state
+
+    @property
+    def check_seconds(self) -> float:
+        """Wall time of the checks (probe passes, trials, arms, window passes) over the whole fit, resumes included."""
+        return self._before["checks"] + self.probe_seconds + self._decider.seconds
+
+    @property
+    def fit_seconds(self) -> float:
+        """Wall time of the fit so far, resumes included (this process's from on_fit_start)."""
+        return self._before["fit"] + (time.perf_counter() - self._fit_start if self._fit_start else 0.0)
+
+    @property
+    def state_key(self) -> str:
+        """The key of this callback's state in a checkpoint: one per growable network it grows
+        (``network``: the attribute path, or the network's class), as Lightning's EarlyStopping
+        keys by its monitor, so two callbacks growing two networks of one module keep their own."""
+        spec = self.network_spec
+        return self._generate_state_key(network=spec if spec is None or isinstance(spec, str) else type(spec).__name__)
 
     @property
     def _state_key(self) -> str:
@@ -226,16 +243,10 @@ class GrowUntilSaturated(Callback):
         self.finished, self.stop_reason = state_dict.get("finished"), state_dict.get("stop_reason")
         self.restart_pending = bool(state_dict.get("restart_pending", False))
         self.start_depth = state_dict.get("start_depth")
+        self._before = {k: float((state_dict.get("seconds") or {}).get(k, 0.0)) for k in ("checks", "fit")}
         self._schedule.load_state_dict(state_dict)
-        if "last_check_step" not in state_dict and self.history:  # an older checkpoint: its last check's step
-            self._schedule.last_check_step = int(self.history[-1].get("step") or 0)
         if self._decider.key is not None:
             self._decider.load_state_dict(state_dict.get(self._state_key, {}))
-        if state_dict.get("gain_reference") is not None and self.finished is None:
-            # written by decision="gain" (removed): its reference judged the last stage; nothing reads it now
-            rank_zero_warn("GrowUntilSaturated: this checkpoint was written by decision='gain' (removed: "
-                           "docs/results/history.md); its realized-gain reference is ignored and the fit goes on by "
-                           f"decision={self.decision!r} from the next check.", category=UserWarning)  # fmt: skip
 
     # -- setup: refuse early ------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -264,6 +275,8 @@ class GrowUntilSaturated(Callback):
             self._network = self._resolve_network(pl_module, required=True)
         if self.start_depth is None:
             self.start_depth = self._depth(self._network)
+        # the depth from the first epoch on, for a ModelCheckpoint or EarlyStopping to monitor (each check adds its figures)
+        telemetry.publish(trainer, {"growth/depth": self._depth(self._network)})
         # a callback reused in a new fit (its step count starts again at 0) counts from the new start
         self._schedule.last_check_step = min(self._schedule.last_check_step, int(trainer.global_step))
         if self.lr_schedule == "anneal" and (self.finished is None or self._anneal.active):
@@ -271,7 +284,8 @@ class GrowUntilSaturated(Callback):
         why = self._schedule.no_room(trainer, self.finished)
         if why is not None:  # a fit too short to grow says so
             rank_zero_warn(f"GrowUntilSaturated: {why}", category=UserWarning)
-        check_probe_setup(trainer, pl_module, self._network, self._probe_loader(trainer, shard=False), self._loss)
+        check_probe_setup(trainer, pl_module, self._network, self._probe_loader(trainer, shard=False), self._loss,
+                          defaulted=self.loss_fn is None and not callable(getattr(pl_module, "probe_loss", None)))
         probe_check.check_probe_independent(trainer, self._probe_loader(trainer))
 
     @staticmethod
@@ -301,8 +315,8 @@ class GrowUntilSaturated(Callback):
                            batch_idx: int) -> None:  # fmt: skip
         self._monitor.batch_end(outputs)
         if self._fork is not None and self._fork.site is not None:  # the fork's arm trains on the same batch
-            self._fork.batch_end(trainer, pl_module, self._network, batch, self._loss, marks=self._fork.marks(horizon := self._horizon_steps(trainer)),
-                                 score=lambda: self._fork_score(trainer, pl_module), horizon_steps=horizon)  # fmt: skip
+            self._fork.batch_end(trainer, pl_module, self._network, batch, self._loss,
+                                 horizon_steps=self._horizon_steps(trainer))
 
     def _horizon_steps(self, trainer: Trainer) -> int | None:
         """Optimizer steps from one check to the next (the fork's horizon)."""
@@ -311,11 +325,8 @@ class GrowUntilSaturated(Callback):
         per_epoch = steps_per_epoch(trainer)
         return None if per_epoch is None else per_epoch * self.every_n_epochs
 
-    def _fork_score(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Score both sides of the fork on the probe mid-horizon (on a fork of the generators: the
-        probe loader's iterator must not move the training data order)."""
-        with probe_check.forked_rng(trainer, next(self._network.parameters()).device):  # timed by batch_end
-            self._fork._score(trainer, pl_module, self._network, self._probe_loader(trainer, shard=False), self._loss)
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._monitor.validation_end(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         what = self._schedule.epoch_end(trainer, finished=self.finished, budget=lambda: self._budget_reason(trainer),
@@ -364,7 +375,7 @@ class GrowUntilSaturated(Callback):
         if not (self.verbose and trainer.is_global_zero):
             return
         summary = telemetry.fit_end_summary(self, trainer, no_check=no_check, history_path=path, written=written,
-                                            fit_seconds=time.perf_counter() - self._fit_start)  # fmt: skip
+                                            fit_seconds=self.fit_seconds)  # fmt: skip
         telemetry.print_renderable(trainer, summary, soft_wrap=True)
 
     @property
@@ -417,8 +428,8 @@ class GrowUntilSaturated(Callback):
             if entry is not None:
                 record[self._decider.key] = entry
             if self._fork is not None and entry.get("open_new"):  # no fork was open: open one, decide nothing
-                opened = entry["open_new"] if isinstance(entry["open_new"], str) else best_scored_site(report)
-                action, reason, sites = "fork", f"{verdict.reason} (site {opened})", []
+                opened = entry["open_new"] if isinstance(entry["open_new"], str) else self._fork.first_sites(report)
+                action, reason, sites = "fork", f"{verdict.reason} (at {opened})", []
             else:
                 action, reason, sites = dec.decide_growth(
                     saturated=verdict.saturated, ranked=ranked, reason=verdict.reason,
@@ -432,7 +443,7 @@ class GrowUntilSaturated(Callback):
                 self._fork.adopt(network, editor.optimizer_for(trainer, network))
                 if dec.budget_reason(growths=self.growths, max_growths=self.max_growths,
                                      params=telemetry.count_params(network), max_params=self.max_params) is None:
-                    opened = best_scored_site(self._measure(trainer, pl_module, network))
+                    opened = self._fork.first_sites(self._measure(trainer, pl_module, network))
         elif action != "fork":
             if self._fork is not None:
                 self._fork.close()

@@ -18,8 +18,7 @@ from growtrain.decision import DEFAULT_MIN_GAIN, DEFAULT_RULE, check_min_gain
 from growtrain.reconfigure import LR_SCHEDULES as _SCHEDULER_MODES
 from growtrain.trial import DEFAULT_TRIAL_EPOCHS
 
-__all__ = ["GrowthConfig", "ON_SATURATED", "MODES", "LR_SCHEDULES", "DECISIONS", "SCHEDULES", "CALLBACK_RULES",
-           "REMOVED"]
+__all__ = ["GrowthConfig", "ON_SATURATED", "MODES", "LR_SCHEDULES", "DECISIONS", "SCHEDULES", "CALLBACK_RULES"]
 
 ON_SATURATED = ("stop", "continue", "anneal")
 MODES = ("min", "max")
@@ -27,41 +26,11 @@ MODES = ("min", "max")
 # docs/decision.md); "window" (schedule="periodic"): the growing run's own paired gain over the last
 # `window` epochs (growtrain/window.py); "rule": the first-order rule alone.
 # "fork" (schedule="periodic"): the run against a copy with one more block, trained on the same batches until the
-# next check, compared on the probe (growtrain/fork.py).
-DECISIONS = ("trial", "window", "rule", "fork")
+# next check, compared on the probe (growtrain/fork.py); "stage_fork": the same with one more block in every stage.
+DECISIONS = ("trial", "window", "rule", "fork", "stage_fork")
 # The first-order rules a check decides or chooses its site by (the relative rule stays a reported verdict of
 # growtrain measure and measure_saturation, not a callback option: docs/results/history.md).
 CALLBACK_RULES = ("paper", "crossfit")
-# Options removed in the eighth session (docs/results/history.md), each with what to do instead. A config or call that
-# still passes one gets this message (GrowUntilSaturated(**kwargs), growtrain fit), not an unknown-argument error.
-REMOVED: dict[str, str] = {
-    "cooldown": "drop it: min_stage_epochs already keeps a new stage from being checked too early",
-    "probe_budget": "drop it: it postponed checks by a fixed sample count; a periodic check costs 1-2 % of a fit "
-                    "and a converged stage is checked once, when it has converged (docs/results/history.md)",
-    "tau": "drop it with rule='relative' (removed): pass rule='crossfit'",
-    "alpha_spending": "drop it: every check tests at alpha (a stop ends growth, so the checks form a fixed sequence)",
-    "restore_best": "drop it with decision='gain' (removed): the trial grows only a block that certified its gain",
-    "trial_growth": "drop it with decision='gain' (removed): decision='trial' tries a block at every check",
-    "trial_lr": "drop it: the trial's Adam rate is growtrain.trial.DEFAULT_TRIAL_LR (1e-3)",
-    "trial_holdout": "drop it: the trial scores up to growtrain.trial.DEFAULT_TRIAL_HOLDOUT (20,000) held-back samples",
-    "trial_sites": "drop it: the trial tries the best site of each stage (growtrain.trial.TRIAL_SITES = 3)",
-    "top_k": "drop it: a check grows one block, at the best site",
-    "max_blocks": "pass max_growths (blocks added) or max_params instead",
-    "projected": "drop it: V_S is reported by growtrain measure (projected=True), never needed by a decision",
-    "calibrate": "drop it: candidate blocks' BatchNorm statistics are always set on the probe first",
-    "log_sites": "drop it: every check logs and keeps its per-site figures",
-    "min_delta": "pass min_rel_delta (relative to the best value: scale-free) instead",
-}
-
-
-def removed_message(names: Iterable[str]) -> str | None:
-    """The error for options removed from ``GrowUntilSaturated``, naming each with its replacement."""
-    given = [n for n in names if n in REMOVED]
-    if not given:
-        return None
-    lines = "; ".join(f"{n}: {REMOVED[n]}" for n in given)
-    return (f"GrowUntilSaturated: option(s) {', '.join(given)} were removed (their studies did not keep them; "
-            f"docs/results/history.md). Fix: {lines}.")
 # When a check comes: "converged" (a stage plateaus, optionally annealed, then is judged: the paper's
 # protocol) or "periodic" (every every_n_epochs at the constant rate, one final anneal at the end).
 SCHEDULES = ("converged", "periodic")
@@ -116,7 +85,7 @@ class GrowthConfig:
     t: float | None = None
     rule: Literal["paper", "crossfit"] | None = None
     min_gain: float | None = DEFAULT_MIN_GAIN
-    decision: Literal["trial", "window", "rule", "fork"] | None = None
+    decision: Literal["trial", "window", "rule", "fork", "stage_fork"] | None = None
     trial_epochs: float = DEFAULT_TRIAL_EPOCHS
     max_growths: int | None = None
     max_params: int | None = None
@@ -214,10 +183,10 @@ class GrowthConfig:
             raise _bad("decision", "'window' only with schedule='periodic' (it compares checks `window` epochs "
                        "apart while the run grows at the constant rate)", decision,
                        "pass schedule='periodic', or decision='trial'")  # fmt: skip
-        if decision == "fork" and not periodic:
-            raise _bad("decision", "'fork' only with schedule='periodic' (a fork opened at one check is judged at the "
+        if decision in ("fork", "stage_fork") and not periodic:
+            raise _bad("decision", f"{decision!r} only with schedule='periodic' (a fork opened at one check is judged at the "
                        "next, every_n_epochs later)", decision, "pass schedule='periodic', or decision='trial'")  # fmt: skip
-        if decision in ("trial", "window", "fork") and self.min_gain is None:
+        if decision in ("trial", "window", "fork", "stage_fork") and self.min_gain is None:
             raise _bad("decision", "min_gain set (the gain a block must certify)", f"{decision!r} with min_gain=None",
                        "pass min_gain=0.01, or decision='rule'")  # fmt: skip
         object.__setattr__(self, "decision", decision)

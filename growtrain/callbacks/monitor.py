@@ -29,6 +29,10 @@ class StageMonitor:
         self._returned: torch.Tensor | None = None  # sum of this epoch's losses returned by training_step
         self._returned_batches = 0
         self._told_returned = False
+        # freshness: a value read at a train-epoch end counts only if it is new since the last one read
+        self._ever_validated = False  # a validation run has ended in this fit
+        self._last: Any = None  # the tensor read last time (Lightning keeps a validation metric's object until the next run)
+        self.stale = 0  # readings skipped as not fresh (said in the wait reason)
 
     def new_stage(self) -> None:
         """After a growth the new stage is judged from scratch."""
@@ -65,11 +69,30 @@ class StageMonitor:
             self._told_returned = True
         return mean
 
+    def validation_end(self, trainer: Trainer) -> None:
+        if not getattr(trainer, "sanity_checking", False):
+            self._ever_validated = True
+
     def plateaued(self, trainer: Trainer) -> bool:
-        """Read this epoch's value, update ``best``/``wait``; a metric never logged is an error naming it."""
+        """Read this epoch's value, update ``best``/``wait``; a metric never logged is an error naming it.
+
+        Only a fresh value counts, as Lightning's EarlyStopping judges a validation metric when
+        validation ends: under ``check_val_every_n_epoch > 1`` (or a validation every so many
+        steps) an epoch without validation still holds the last run's value, and counting it as
+        "no improvement" would make a plateau of a loss that fell at every validation. Fresh: the
+        value is a new object (Lightning recomputes a training metric every epoch and replaces a
+        validation metric's at each validation run; between runs the same object stays).
+        A validation metric not logged yet because no validation has run is waited for, not an
+        error."""
         value = trainer.callback_metrics.get(self.monitor)
         if value is None:
             value = self._returned_loss(trainer)
+        if value is None and not self._ever_validated and _validates(trainer):
+            self.stale += 1
+            return False  # validation has not run yet in this fit: nothing to judge
+        if value is not None and value is self._last:
+            self.stale += 1
+            return False  # the same value as last time: no new information
         if value is None:
             validation = " If it is a validation metric, make sure validation runs every epoch." if "val" in self.monitor else ""
             raise RuntimeError(
@@ -77,9 +100,20 @@ class StageMonitor:
                 f"Fix: log it per epoch in your LightningModule (self.log({self.monitor!r}, value, on_epoch=True)), "
                 f"monitor one of the available metrics, or pass monitor=None (checks every every_n_epochs).{validation}"
             )
+        self._last = value
         value = float(value)
         min_delta = self.min_rel_delta * abs(self.best) if self.best is not None else 0.0
         self.best, self.wait, plateaued = dec.plateau_update(
             value, self.best, self.wait, mode=self.mode, min_delta=min_delta, patience=self.patience
         )
         return plateaued
+
+
+def _validates(trainer: Trainer) -> bool:
+    """Whether this fit runs validation at all: validation batches allowed, and a
+    ``validation_step`` (its dataloaders are only known once the first validation runs)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    module = getattr(trainer, "lightning_module", None)
+    return bool(getattr(trainer, "limit_val_batches", 1.0)) and module is not None and \
+        is_overridden("validation_step", module)

@@ -274,15 +274,35 @@ def refuse_random_probe(loader: Any, name: str) -> None:
 
 
 class Converted:
-    """The probe loader's batches as the trainer's precision plugin feeds training batches
-    (``64-true`` and ``bf16-true`` networks need float64 / bfloat16 inputs; mixed precision
-    leaves them alone), so the probe sees what a training step sees."""
+    """The probe loader's batches as a training step receives its batches: the precision
+    plugin's conversion (``64-true`` and ``bf16-true`` networks need float64 / bfloat16 inputs;
+    mixed precision leaves them alone), then the batch hooks in Lightning's order —
+    ``on_before_batch_transfer``, ``transfer_batch_to_device``, ``on_after_batch_transfer`` (the
+    datamodule's where it defines them, else the module's) — so a datamodule that normalises or
+    tokenises in a hook gets probe scores in the input space it trains in. (A hook that augments
+    only ``if self.trainer.training`` augments the probe too: the probe runs inside training.)"""
 
     def __init__(self, loader: Iterable, trainer: Any):
-        self.loader, self.convert = loader, trainer.precision_plugin.convert_input
+        self.loader, self.trainer = loader, trainer
 
     def __iter__(self):
-        return (self.convert(batch) for batch in self.loader)
+        return (as_training_batch(self.trainer, batch) for batch in self.loader)
+
+
+def as_training_batch(trainer: Any, batch: Any) -> Any:
+    """``batch`` as the training loop hands it to ``training_step`` (see :class:`Converted`)."""
+    from lightning.pytorch import LightningDataModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    batch = trainer.precision_plugin.convert_input(batch)
+    module, strategy = getattr(trainer, "lightning_module", None), getattr(trainer, "strategy", None)
+    if module is None or strategy is None:  # no fit attached (a bare trainer): the conversion alone
+        return batch
+    datamodule = getattr(trainer, "datamodule", None)
+    owner = datamodule if datamodule is not None and is_overridden("on_before_batch_transfer", datamodule,
+                                                                    LightningDataModule) else module  # fmt: skip
+    batch = owner.on_before_batch_transfer(batch, 0)
+    return strategy.batch_to_device(batch, dataloader_idx=0)  # transfer_batch_to_device, on_after_batch_transfer
 
 
 def _block_name(block: nn.Module) -> str:
@@ -303,7 +323,7 @@ def _first_sites(network: nn.Module) -> list:
 
 @torch.no_grad()
 def check_probe_setup(trainer: Any, pl_module: nn.Module, network: nn.Module, loader: Iterable, loss_fn: Any,
-                      seed: int = 0) -> None:  # fmt: skip
+                      seed: int = 0, *, defaulted: bool = False) -> None:  # fmt: skip
     """Refuse, before the first training step, what would otherwise fail only at the first check,
     a whole stage later: one probe batch must run through the probe's forward and its loss
     (a module without ``forward`` is probed through ``network``), and a fresh block inserted at
@@ -311,15 +331,21 @@ def check_probe_setup(trainer: Any, pl_module: nn.Module, network: nn.Module, lo
     must return ``x + f(x)``). Leaves the network, its growth record and every mode as they were.
     ``seed`` seeds the trial blocks privately. On a fork of the random number generators: a
     DataLoader iterator draws its base seed from torch's global generator, and this check must
-    not move the training data order (a run with it trains as one without it)."""
+    not move the training data order (a run with it trains as one without it). ``defaulted``:
+    ``loss_fn`` is the cross-entropy nobody chose (no ``loss_fn``, no ``probe_loss``), so targets
+    that look like regression targets are refused rather than scored as class probabilities."""
     device = next(network.parameters()).device
     devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        _check_probe_setup(trainer, pl_module, network, loader, loss_fn, seed)
+        _check_probe_setup(trainer, pl_module, network, loader, loss_fn, seed, defaulted)
+
+
+class _SilentLoss(Exception):
+    """The defaulted cross-entropy refused (raised past the handler for a module without forward)."""
 
 
 def _check_probe_setup(trainer: Any, pl_module: nn.Module, network: nn.Module, loader: Iterable, loss_fn: Any,
-                       seed: int) -> None:  # fmt: skip
+                       seed: int, defaulted: bool = False) -> None:  # fmt: skip
     from growtrain import fsdp
     from growtrain.batches import to_device
     from growtrain.decision import insertion_tolerance
@@ -336,8 +362,18 @@ def _check_probe_setup(trainer: Any, pl_module: nn.Module, network: nn.Module, l
     try:
         with evaluating(view):
             out = view(x)
+            if defaulted and torch.is_tensor(y) and torch.is_tensor(out) and y.is_floating_point() and y.shape == out.shape:
+                raise _SilentLoss(f"loss_fn: the probe scores with cross-entropy when neither loss_fn nor "
+                                  f"{type(pl_module).__name__}.probe_loss is given, and the targets are floats of the "
+                                  f"output's shape {tuple(out.shape)}: regression targets, or class probabilities? "
+                                  "Cross-entropy would take them as probabilities without a word. Fix: pass "
+                                  "GrowUntilSaturated(loss_fn=...) with the loss the model trains on (e.g. "
+                                  "torch.nn.functional.mse_loss), or loss_fn=torch.nn.functional.cross_entropy for "
+                                  "soft labels.")  # fmt: skip
             if y is not None:
                 loss_fn(out, y)
+    except _SilentLoss as error:
+        raise ValueError(str(error)) from None
     except Exception as error:
         if has_forward(pl_module):
             raise

@@ -90,8 +90,8 @@ class CheckSchedule:
     reserved inside ``max_epochs`` and ``max_steps``, and after growth ends it runs here too.
 
     The callback asks it at every train-epoch end what to do (:meth:`epoch_end`); its state (the
-    counters, the plateau's, the anneal's) travels in the callback's checkpoint under the keys of
-    earlier versions. ``should_check`` (growtrain.decision) decides; this class only keeps the count.
+    counters, the plateau's, the anneal's) travels in the callback's checkpoint. ``should_check``
+    (growtrain.decision) decides; this class only keeps the count.
     """
 
     def __init__(self, *, kind: str, every_n_epochs: int, min_stage_epochs: int, lr_schedule: str,

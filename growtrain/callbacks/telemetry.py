@@ -22,7 +22,7 @@ from growtrain.callbacks.guidance import no_check_reason
 from growtrain.plots import outcome
 from growtrain.saturation import SaturationReport
 
-__all__ = ["plain", "count_params", "check_record", "log_check", "history_path", "write_history",
+__all__ = ["plain", "count_params", "check_record", "log_check", "publish", "history_path", "write_history",
            "print_renderable", "check_table", "fit_summary", "fit_end_summary", "final_metrics",
            "SUMMARY_KEYS"]  # fmt: skip
 
@@ -99,6 +99,17 @@ def log_check(trainer: Trainer, report: SaturationReport | None, record: dict) -
     metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)
+    publish(trainer, {k: v for k, v in metrics.items() if k.count("/") == 1})
+
+
+def publish(trainer: Trainer, metrics: dict[str, float]) -> None:
+    """``metrics`` into ``trainer.callback_metrics``, where ``ModelCheckpoint(monitor=...)`` and
+    ``EarlyStopping(monitor=...)`` read (a check runs at a train-epoch end, before the
+    checkpoint callbacks, which Lightning runs last). Lightning keeps them until it resets its
+    metrics at the start of a fit: the callback publishes the depth again at every train start."""
+    target = getattr(trainer, "callback_metrics", None)  # a stand-in trainer (tests, growtrain measure) may have none
+    if target is not None:
+        target.update({k: torch.tensor(float(v)) for k, v in metrics.items()})
 
 
 def history_path(trainer: Trainer) -> str:
@@ -153,16 +164,13 @@ def _fmt(value: Any, spec: str = ".4g") -> str:
 def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: int | None, finished: str | None,
                 stop_reason: str | None, metrics: dict[str, float], probe_seconds: float,
                 fit_seconds: float, no_check: str | None = None, outputs: list[str] | None = None,
-                measured_on: str | None = None, phases: str | None = None) -> Any:  # fmt: skip
+                phases: str | None = None) -> Any:  # fmt: skip
     """One screen at the end of a fit: depth start → final, each growth, why it stopped, final
     losses, the probe's share of the run time and where the outputs are. A fit with no check
-    (``no_check``: why) is a few lines of text instead of an empty table. ``measured_on``: what
-    ``metrics`` were measured on when it is not the last epoch's training (a restored network,
-    :func:`final_metrics`)."""
+    (``no_check``: why) is a few lines of text instead of an empty table."""
     from rich.table import Table
 
     losses = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
-    final = f"final ({measured_on})" if measured_on else "final"
     if not history:
         # no check, so no growth: the depth at the start is the depth now, even when no epoch ran (the
         # callback then never saw the start of training). The warning the callback gave carries the whole
@@ -172,7 +180,7 @@ def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: in
         why = no_check_reason(no_check) if no_check else None
         lines = [line + (f" — {why}; the warning above says what to change" if why else "")]
         if losses:
-            lines.append(f"{final}: {losses}")
+            lines.append(f"final: {losses}")
         return "\n".join(lines + list(outputs or []))
 
     table = Table(title=f"GrowUntilSaturated: depth {_fmt(start_depth)} → {_fmt(final_depth)}", title_justify="left")
@@ -214,7 +222,7 @@ def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: in
     if phases:
         lines.append(phases)
     if losses:
-        lines.append(f"{final}: {losses}")
+        lines.append(f"final: {losses}")
     share = probe_seconds / fit_seconds if fit_seconds > 0 else float("nan")
     lines.append(f"probe and trials: {probe_seconds:.1f} s of {fit_seconds:.1f} s ({100 * share:.1f} % of the fit)")
     table.caption = "\n".join(lines)
@@ -228,34 +236,22 @@ def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: in
     return Group(table, *(Text(line) for line in outputs))
 
 
-def final_metrics(history: list[dict], callback_metrics: dict, global_step: int,
-                  keys: tuple[str, ...] = SUMMARY_KEYS) -> tuple[dict[str, float], str | None]:  # fmt: skip
-    """The numbers the end-of-fit summary calls final, and what they were measured on.
-
-    The trainer's last callback metrics; for a history of an earlier version whose last check
-    restored a network (``restore_best``, removed) with no optimizer step since, the metrics that
-    version measured on the restored network."""
-    last = history[-1] if history else {}
-    restored = last.get("restored") or {}
-    if restored.get("metrics") is not None and last.get("step") == global_step:
-        metrics = {k: float(v) for k, v in restored["metrics"].items() if k in keys}
-        where = (f"re-measured on the restored network of check {restored.get('check')} "
-                 f"(depth {restored.get('depth')}, eval mode)")  # fmt: skip
-        return metrics, where
-    return {k: float(v) for k, v in callback_metrics.items() if k in keys}, None
+def final_metrics(callback_metrics: dict, keys: tuple[str, ...] = SUMMARY_KEYS) -> dict[str, float]:
+    """The numbers the end-of-fit summary calls final: the trainer's last callback metrics among ``keys``."""
+    return {k: float(v) for k, v in callback_metrics.items() if k in keys}
 
 
 def fit_end_summary(cb: Any, trainer: Any, *, no_check: str | None, history_path: str, written: bool,
                     fit_seconds: float) -> Any:  # fmt: skip
     """The end-of-fit summary of a ``GrowUntilSaturated`` (a rich renderable, telemetry.fit_summary):
-    what it did, the final numbers and what they were measured on, where its files are, and how the
-    epochs split between growing and the final phase."""
-    metrics, measured_on = final_metrics(cb.history, trainer.callback_metrics, trainer.global_step)
+    what it did, the final numbers, where its files are, and how the epochs split between growing
+    and the final phase."""
+    metrics = final_metrics(trainer.callback_metrics)
     return fit_summary(
         cb.history, start_depth=cb.start_depth, final_depth=cb._depth(cb._network), finished=cb.finished,
         stop_reason=cb.stop_reason, metrics=metrics,
-        probe_seconds=cb.probe_seconds + cb._decider.seconds,
-        fit_seconds=fit_seconds, no_check=no_check, measured_on=measured_on,
+        probe_seconds=cb.check_seconds,
+        fit_seconds=fit_seconds, no_check=no_check,
         outputs=guidance.output_lines(trainer, history_path=history_path, history_written=written),
         phases=guidance.phase_line(growth_epochs=cb.growth_epochs, final_epochs=cb.final_epochs, anneal_epochs=cb.anneal_epochs,
                           on_saturated=cb.on_saturated, epochs=trainer.current_epoch, schedule=cb.schedule),

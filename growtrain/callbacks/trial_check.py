@@ -29,7 +29,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 from growtrain import fsdp
-from growtrain.callbacks.probe_data import Converted, ProbeView, per_sample_losses
+from growtrain.callbacks.probe_data import Converted, ProbeView, as_training_batch, per_sample_losses
 from growtrain.callbacks.progress import Steps, counted, progress_for
 from growtrain.gain import sample_signatures
 from growtrain.trial import (
@@ -91,9 +91,8 @@ class BlockTrials:
             empty = True
             for batch in loader:
                 empty = False
-                batch = pl_module._call_batch_hook("on_before_batch_transfer", batch, 0)
-                batch = pl_module._apply_batch_transfer_handler(batch)
-                x, y = trainer.precision_plugin.convert_input(batch)[0], batch[-1]
+                batch = as_training_batch(trainer, batch)
+                x, y = batch[0], batch[-1]
                 if exclude is not None and isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
                     keep = ~torch.isin(sample_signatures((x, y)), exclude)
                     if not bool(keep.any()):

@@ -22,12 +22,11 @@ Two more things a user must be able to trust, both read from the checkpoint:
   written, unless ``allow_other_split`` asks for it (the report then says so);
 - how its figures relate to the fit's last check (:func:`last_check`, :func:`differences`): they
   are the same computation, and differ only where the inputs differ — the network trained or grew
-  or was restored after that check, the candidate blocks were drawn with another seed (the callback
-  seeds check ``k`` with ``seed·1000 + k``; their BatchNorm calibration follows the weights), the
-  callback did not calibrate them, its probe ran under a mixed precision's autocast, or the level
-  (α-spending), ``t``, rule or δ differ. Both run the probe in eval mode on the same probe loader,
-  so mode and data are not among the reasons. Each reason that applies is listed; when none
-  does, the figures agree (tested).
+  after that check, the candidate blocks were drawn with another seed (the callback seeds check
+  ``k`` with ``seed·1000 + k``; their BatchNorm calibration follows the weights), its probe ran
+  under a mixed precision's autocast, or the level, ``t``, rule or δ differ. Both run the probe in
+  eval mode on the same probe loader, so mode and data are not among the reasons. Each reason
+  that applies is listed; when none does, the figures agree (tested).
 """
 
 from __future__ import annotations
@@ -79,8 +78,7 @@ def fit_verdict(checkpoint: dict | None) -> dict | None:
         return None
     history = state.get("history") or []
     last = history[-1] if history else {}
-    decided_by = ("trial" if last.get("trial") else "window" if last.get("window")
-                  else "gain" if last.get("gain") else last.get("rule"))  # "gain": a checkpoint of an earlier version
+    decided_by = next((k for k in ("trial", "window", "fork") if last.get(k)), None) or last.get("rule")
     return {"finished": state.get("finished"), "stop_reason": state.get("stop_reason"), "checks": len(history),
             "decided_by": decided_by}  # fmt: skip
 
@@ -89,14 +87,14 @@ _DECIDED_BY = {
     "trial": "block-only trials (decision='trial'): what a new block lowers the held-out loss by once trained",
     "window": "the window rule (decision='window'): how far the growing run's probe loss fell over its last window "
               "of epochs",
-    "gain": "the realized gain of the last stage (decision='gain', removed since): what the last block lowered the "
-            "probe loss by",
+    "fork": "the paired fork (decision='fork' or 'stage_fork'): the run against a copy with the block(s), trained on "
+            "the same batches and cooled, on the probe",
 }
 # what the fit could not certify, per decision (the second half of relation_to_fit's answer)
 _NOT_CERTIFIED = {
     "trial": "that a trained block lowers the loss by more than min_gain",
     "window": "that training on while growing lowers the loss by more than min_gain over a window",
-    "gain": "that the last block lowered the loss by more than min_gain",
+    "fork": "that the block(s), trained with the run until the next check, lower the loss by more than min_gain",
 }
 
 
@@ -120,7 +118,7 @@ def relation_to_fit(fit: dict | None, report: SaturationReport) -> str | None:
                        "when its last map leaves zero, which says nothing about how far. The fit could not certify "
                        f"{_NOT_CERTIFIED[fit['decided_by']]}: the two do not contradict each other.")  # fmt: skip
     return text + (f"This report says grow at {report.best_site}: the same question asked of this checkpoint's "
-                   "network (after any undo or anneal) with this probe and seed, where the fit's last check saw "
+                   "network (after any anneal) with this probe and seed, where the fit's last check saw "
                    "another state.")
 
 
@@ -214,8 +212,7 @@ def last_check(checkpoint: dict | None) -> dict | None:
     h = measured[-1]
     keys = ("check", "epoch", "step", "gamma", "threshold", "t", "delta", "alpha", "error_bound", "rule", "action",
             "sites", "depth")  # fmt: skip
-    return {**{k: h.get(k) for k in keys}, "restored": bool(h.get("restored")),
-            "checkpoint_step": checkpoint.get("global_step")}  # fmt: skip
+    return {**{k: h.get(k) for k in keys}, "checkpoint_step": checkpoint.get("global_step")}
 
 
 def differences(last: dict, report: SaturationReport, *, seed: int, t: float | None = None,
@@ -224,15 +221,12 @@ def differences(last: dict, report: SaturationReport, *, seed: int, t: float | N
 
     The two compute the same thing (``measure_saturation`` in eval mode on the same probe loader,
     ``variance=True``) and differ only through their inputs. ``fit_growth``: the fit's
-    ``GrowUntilSaturated`` ``seed`` and ``calibrate``, and the trainer's ``precision``
-    (``GrowTrainer.measure`` passes the configured ones); without them the candidates' seed is
-    given by its formula. ``t``: this report's given ``t`` (None: derived from alpha); the check's
-    was given when its error bound is not its level."""
+    ``GrowUntilSaturated`` ``seed`` and the trainer's ``precision`` (``GrowTrainer.measure``
+    passes the configured ones); without them the candidates' seed is given by its formula.
+    ``t``: this report's given ``t`` (None: derived from alpha); the check's was given when its
+    error bound is not its level."""
     reasons = []
     k, step, saved_at = last.get("check"), last.get("step"), last.get("checkpoint_step")
-    if last["restored"]:
-        reasons.append("that check undid the growth before it (restore_best): this checkpoint holds the restored "
-                       "network, not the one the check measured")  # fmt: skip
     if last.get("action") == "grow":
         reasons.append(f"that check then grew the network at {', '.join(last.get('sites') or [])}: this network has "
                        "the new block(s), so other sites and figures")  # fmt: skip
@@ -253,12 +247,9 @@ def differences(last: dict, report: SaturationReport, *, seed: int, t: float | N
     if "mixed" in precision:  # the callback autocasts its probe pass under a mixed precision; run_measure does not
         reasons.append(f"precision: the fit's checks ran the probe under autocast (precision={precision}), this "
                        "report in the weights' own dtype")  # fmt: skip
-    if (fit_growth or {}).get("calibrate") is False:
-        reasons.append("candidate BatchNorm calibration: the fit's checks ran with calibrate=False, this report "
-                       "calibrates the candidates on the probe")  # fmt: skip
     if last.get("alpha") is not None and not math.isclose(float(last["alpha"]), report.alpha, rel_tol=1e-12):
-        reasons.append(f"level: that check tested at α={last['alpha']:.3g} (the callback's alpha, after any "
-                       f"alpha_spending), this report at alpha={report.alpha:g}: t and δ+t differ")  # fmt: skip
+        reasons.append(f"level: that check tested at α={last['alpha']:.3g} (the callback's alpha), this report at "
+                       f"alpha={report.alpha:g}: t and δ+t differ")  # fmt: skip
     bound, level = last.get("error_bound"), last.get("alpha")
     given = None  # the check's t when it was given (its error bound then is not its level), else None
     if bound is not None and level is not None and not math.isclose(float(bound), min(1.0, float(level)), rel_tol=1e-6):

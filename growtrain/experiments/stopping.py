@@ -321,7 +321,7 @@ def _train(module, datamodule, kwargs, root: Path, keep, grower: GrowUntilSatura
         "train_loss": evaluate(module, datamodule, "train", kwargs, root / "eval").get("loss"),
         "test_loss": evaluate(module, datamodule, "test", kwargs, root / "eval").get("loss"),
         "epochs": trainer.current_epoch, "steps": meter.steps, "flops": meter.flops, "wall_s": wall,
-        "probe_s": grower.probe_seconds + grower._decider.seconds, "checkpoint": _saved(trainer, root),
+        "probe_s": grower.check_seconds, "checkpoint": _saved(trainer, root),
         "stopped": grower.finished, "stop_reason": grower.stop_reason, "growths": grower.growths,
         "history": [{k: h.get(k) for k in ("epoch", "depth_before", "action", "certified", "site", "lower", "margin",
                                             "reference", "ratio", "gamma", "threshold", "verdicts")}
