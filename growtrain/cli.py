@@ -31,7 +31,6 @@ import os
 import sys
 from typing import Any
 
-
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 

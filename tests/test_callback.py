@@ -479,10 +479,14 @@ def test_the_depth_and_the_checks_figures_are_callback_metrics_a_checkpoint_can_
 
     class Seen(L.Callback):
         def __init__(self):
-            self.depths = []
+            self.depths, self.gammas = [], {}
 
         def on_train_epoch_start(self, trainer, pl_module):
             self.depths.append(float(trainer.callback_metrics["growth/depth"]))
+
+        def on_train_epoch_end(self, trainer, pl_module):  # after the growth callback's check
+            if "growth/gamma" in trainer.callback_metrics:
+                self.gammas[trainer.current_epoch] = float(trainer.callback_metrics["growth/gamma"])
 
     L.seed_everything(0)
     module = ImageClassifier(width=4, num_classes=4, blocks=(1, 1, 1))
@@ -496,8 +500,9 @@ def test_the_depth_and_the_checks_figures_are_callback_metrics_a_checkpoint_can_
     assert len(grew_at) == 2
     assert seen.depths == [3 + sum(e < epoch for e in grew_at) for epoch in range(4)]
     assert float(trainer.callback_metrics["growth/grew"]) == float(grow.history[-1]["action"] == "grow")
-    measured = [h for h in grow.history if h.get("gamma") is not None]
-    assert float(trainer.callback_metrics["growth/gamma"]) == pytest.approx(measured[-1]["gamma"])
+    # each check's Γ̂ at its epoch's end; a check that measured nothing (the budget) leaves none behind
+    assert seen.gammas == pytest.approx({h["epoch"]: h["gamma"] for h in grow.history if h.get("gamma") is not None})
+    assert grow.history[-1].get("gamma") is None and "growth/gamma" not in trainer.callback_metrics
     assert best.best_model_path.endswith("deepest-5.ckpt")
 
 
@@ -555,3 +560,17 @@ def test_the_checks_seconds_and_the_fits_survive_a_checkpoint():
     assert again.check_seconds == 6.5 and again.fit_seconds == 40.0
     again._fit_start = __import__("time").perf_counter() - 10.0
     assert 50.0 <= again.fit_seconds < 51.0
+
+
+def test_a_validation_metric_whose_validation_never_runs_is_the_error_once_it_was_due(tmp_path):
+    """validation_step but no validation data: Lightning skips validation; the monitor waits
+    only until the first validation was due (every 2 epochs: epoch 1's end), then names the metric."""
+    grow = GrowUntilSaturated(monitor="val_loss", patience=1, min_stage_epochs=1, decision="rule", rule="paper",
+                              verbose=False)  # fmt: skip
+    trainer = tiny_trainer(tmp_path, [grow], max_epochs=4, limit_val_batches=1, check_val_every_n_epoch=2,
+                           num_sanity_val_steps=0)  # fmt: skip
+    dm = tiny_dm(synthetic_size=200, probe_size=40)
+    dm.val_dataloader = None  # no validation data
+    with pytest.raises(RuntimeError, match="monitor: metric 'val_loss' is not logged") as info:
+        trainer.fit(ScriptedVal(width=4, num_classes=4), dm)
+    assert trainer.current_epoch == 1 and grow._monitor.stale == 1  # epoch 0 waited, epoch 1 was due

@@ -529,3 +529,60 @@ def test_a_stage_fork_that_does_not_pay_ends_growth_without_trying_a_stage_alone
     assert [h["action"] for h in grow.history] == ["fork", "saturated"]
     assert model.network.depth() == 3
     assert "stage_fork" in str(GrowUntilSaturated.__init__.__annotations__["decision"])
+
+
+class Headed(L.LightningModule):
+    """A growable trunk between a dropout and a head the fork's copies share with the run."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = ImageClassifier(width=4, num_classes=8, blocks=[1, 1, 1], family="basic", in_channels=3).network
+        self.drop, self.head = torch.nn.Dropout(0.3), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.drop(self.trunk(x)))
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_an_open_fork_leaves_a_shared_head_and_the_random_stream_untouched(tmp_path):
+    """With a head outside the growable network, a dropout, and gradient accumulation (Lightning
+    zeroes gradients once per optimizer step), the run with forks and cooled copies open trains
+    exactly as the same run without the callback: the copies' backward adds nothing to the head's
+    gradients and their dropout draws nothing from the run's random stream."""
+    def run(callbacks):
+        L.seed_everything(0)
+        model = Headed()
+        trainer = L.Trainer(max_epochs=6, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                            accumulate_grad_batches=2, default_root_dir=tmp_path)  # fmt: skip
+        trainer.fit(model, tiny_dm())
+        return model
+
+    grow = fork_cb(min_gain=10.0, network="trunk")
+    forked = run([grow])
+    assert any((h.get("fork") or {}).get("cooled") for h in grow.history)  # forks were judged, cooled
+    plain = run([])
+    for (name, a), (_, b) in zip(forked.state_dict().items(), plain.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_a_stage_fork_that_pays_but_does_not_fit_max_params_ends_growth_at_the_budget(tmp_path, monkeypatch):
+    """The run can take the arm only by growing all of its blocks: when max_params admits some of
+    them and not all, growth ends at the budget instead of growing a subset the arm does not match."""
+    from dataclasses import replace
+
+    real = fork_check.fork_verdict
+    monkeypatch.setattr(fork_check, "fork_verdict", lambda test, **k: real(test, **k) if test is None else replace(
+        real(test, **k), saturated=False, site=k["site"]))  # fmt: skip
+    net = tiny_net()
+    base, small = sum(p.numel() for p in net.parameters()), sum(p.numel() for p in net.new_block("layer1.1").parameters())
+    grow = fork_cb(decision="stage_fork", max_params=base + small + 1)  # the first stage's block fits, not all three
+    model, _ = fit(tmp_path, [grow], max_epochs=4)
+    assert [h["action"] for h in grow.history] == ["fork", "budget"]
+    assert "do not all fit" in grow.history[1]["reason"] and model.network.depth() == 3

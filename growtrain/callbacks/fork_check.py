@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from growtrain.callbacks.editor import optimizer_for
+from growtrain.callbacks.probe_check import forked_rng
 from growtrain.callbacks.probe_data import Converted, ProbeView, per_sample_losses
 from growtrain.callbacks.trial_check import trial_candidates
 from growtrain.fork import adopt, copy_optimizer, fork_test, fork_verdict, make_arm, mirror_lrs, warmup
@@ -172,8 +173,10 @@ class PairedFork:
         """The arm at ``sites`` (block seeds from ``seed``) from the network and optimizer as they are now;
         the optimizer is kept, so a training batch does not look it up again."""
 
-        def groups(block, arm_opt):
-            new, refs = new_param_groups(pl_module, block, len(network.growth_log), arm_opt)
+        added = iter(range(len(network.growth_log), len(network.growth_log) + len(sites)))
+
+        def groups(block, arm_opt):  # the growth index each block would get when the run grows them
+            new, refs = new_param_groups(pl_module, block, next(added), arm_opt)
             add_param_groups(arm_opt, new)
             return refs
 
@@ -229,7 +232,8 @@ class PairedFork:
     def cool_length(horizon_steps: int | None) -> int | None:
         """Steps the cooled copies anneal over: ``COOL_FRACTION`` of the horizon, at least one
         (``None``: the horizon is unknown or too short to cool, and the check scores the run and
-        the arm as they are)."""
+        the arm as they are). With ``every_n_train_steps`` the check comes at the first epoch end
+        after the horizon: the cooled copies, annealed by then, wait for it (both sides alike)."""
         if not horizon_steps or horizon_steps < 2:
             return None
         return max(1, round(COOL_FRACTION * horizon_steps))
@@ -241,11 +245,19 @@ class PairedFork:
 
     def _train(self, trainer: Any, pl_module: Any, network: nn.Module, module: nn.Module, x: Any, y: Any,
                loss_fn: Any, accumulate: int) -> None:  # fmt: skip
-        """Forward and backward of ``module`` in the network's place on the batch."""
+        """Forward and backward of ``module`` in the network's place on the batch, leaving the
+        gradients of the module's own parameters outside the network as they were (a head the copy
+        shares: under gradient accumulation Lightning zeroes them only once per step, so what the
+        copy's backward added would reach the run's next step)."""
+        mine = {id(p) for p in network.parameters()}
+        shared = [p for p in pl_module.parameters() if p.requires_grad and id(p) not in mine]
+        saved = [None if p.grad is None else p.grad.detach().clone() for p in shared]
         module.train(network.training)
         with swapped(pl_module, network, module), trainer.precision_plugin.forward_context():
             loss = loss_fn(pl_module(x), y)
         (loss / accumulate).backward()
+        for p, grad in zip(shared, saved):
+            p.grad = grad
 
     @staticmethod
     def _step(trainer: Any, module: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -279,8 +291,10 @@ class PairedFork:
         length = self.cool_length(horizon_steps)
         cooling = self.cool is not None and self.cool_steps < (length or 0)  # once annealed, it waits for the check
         sides = [self.arm] + ([m for m, _ in self.cool] if cooling else [])
-        for module in sides:
-            self._train(trainer, pl_module, network, module, x, y, loss_fn, accumulate)
+        # on a fork of the random generators: a dropout in a copy must not move the run's random stream
+        with forked_rng(trainer, next(network.parameters()).device):
+            for module in sides:
+                self._train(trainer, pl_module, network, module, x, y, loss_fn, accumulate)
         stepped = int(trainer.global_step) != self._last_step  # the run stepped its optimizer on this batch
         if stepped:
             self._last_step = int(trainer.global_step)

@@ -244,6 +244,7 @@ class GrowUntilSaturated(Callback):
         self.restart_pending = bool(state_dict.get("restart_pending", False))
         self.start_depth = state_dict.get("start_depth")
         self._before = {k: float((state_dict.get("seconds") or {}).get(k, 0.0)) for k in ("checks", "fit")}
+        self.probe_seconds, self._decider.seconds = 0.0, 0.0  # counted in _before: a reused callback must not add them twice
         self._schedule.load_state_dict(state_dict)
         if self._decider.key is not None:
             self._decider.load_state_dict(state_dict.get(self._state_key, {}))
@@ -269,6 +270,7 @@ class GrowUntilSaturated(Callback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._fit_start = time.perf_counter()
+        self._monitor.fit_start()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._network is None:
@@ -436,6 +438,10 @@ class GrowUntilSaturated(Callback):
                     block_params={s: telemetry.count_params(report.record(s).block) for s in ranked},
                     growths=self.growths, max_growths=self.max_growths, params=params, max_params=self.max_params,
                 )  # fmt: skip
+                if self._fork is not None and action == "grow" and sorted(sites) != sorted(ranked):
+                    # the run must grow exactly the arm's blocks to take its weights: all of a stage fork's, or none
+                    action, reason, sites = "budget", (f"max_params={self.max_params}: the fork's blocks at "
+                                                       f"{', '.join(ranked)} do not all fit ({params} parameters now)"), []
             certified = verdict.certified  # only where the verdict's upper bound was below its margin
         if action == "grow":
             record.update(self._grow(trainer, pl_module, network, report, sites))

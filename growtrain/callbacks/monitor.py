@@ -69,6 +69,10 @@ class StageMonitor:
             self._told_returned = True
         return mean
 
+    def fit_start(self) -> None:
+        """A new fit (a reused callback too) waits for its own first validation."""
+        self._ever_validated, self._last = False, None
+
     def validation_end(self, trainer: Trainer) -> None:
         if not getattr(trainer, "sanity_checking", False):
             self._ever_validated = True
@@ -87,7 +91,7 @@ class StageMonitor:
         value = trainer.callback_metrics.get(self.monitor)
         if value is None:
             value = self._returned_loss(trainer)
-        if value is None and not self._ever_validated and _validates(trainer):
+        if value is None and not self._ever_validated and _validation_due_later(trainer):
             self.stale += 1
             return False  # validation has not run yet in this fit: nothing to judge
         if value is not None and value is self._last:
@@ -109,11 +113,16 @@ class StageMonitor:
         return plateaued
 
 
-def _validates(trainer: Trainer) -> bool:
-    """Whether this fit runs validation at all: validation batches allowed, and a
-    ``validation_step`` (its dataloaders are only known once the first validation runs)."""
+def _validation_due_later(trainer: Trainer) -> bool:
+    """Whether this fit's first validation is still to come: it validates at all (validation
+    batches allowed and a ``validation_step``; its dataloaders are only known once the first
+    validation runs) and, validating every ``check_val_every_n_epoch`` epochs, that epoch has not
+    ended yet. (Once it should have run, a metric never logged is the error it always was.)"""
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     module = getattr(trainer, "lightning_module", None)
-    return bool(getattr(trainer, "limit_val_batches", 1.0)) and module is not None and \
-        is_overridden("validation_step", module)
+    if not (bool(getattr(trainer, "limit_val_batches", 1.0)) and module is not None
+            and is_overridden("validation_step", module)):  # fmt: skip
+        return False
+    every = getattr(trainer, "check_val_every_n_epoch", 1)
+    return every is None or int(trainer.current_epoch) + 1 < int(every)

@@ -99,17 +99,24 @@ def log_check(trainer: Trainer, report: SaturationReport | None, record: dict) -
     metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)
-    publish(trainer, {k: v for k, v in metrics.items() if k.count("/") == 1})
+    publish(trainer, {k: v for k, v in metrics.items() if k.count("/") == 1}, replace=True)
 
 
-def publish(trainer: Trainer, metrics: dict[str, float]) -> None:
+def publish(trainer: Trainer, metrics: dict[str, float], *, replace: bool = False) -> None:
     """``metrics`` into ``trainer.callback_metrics``, where ``ModelCheckpoint(monitor=...)`` and
-    ``EarlyStopping(monitor=...)`` read (a check runs at a train-epoch end, before the
-    checkpoint callbacks, which Lightning runs last). Lightning keeps them until it resets its
-    metrics at the start of a fit: the callback publishes the depth again at every train start."""
+    ``EarlyStopping(monitor=...)`` read them. A check runs at a train-epoch end: a checkpoint or
+    early stopping that acts at that train-epoch end sees this check's figures (Lightning runs
+    checkpoint callbacks last); one that acts when validation ends sees the previous check's.
+    ``replace``: drop every earlier ``growth/<name>`` figure first (a figure this check does not
+    have must not keep an older check's value). Lightning keeps them until it resets its metrics
+    at the start of a fit: the callback publishes the depth again at every train start."""
     target = getattr(trainer, "callback_metrics", None)  # a stand-in trainer (tests, growtrain measure) may have none
-    if target is not None:
-        target.update({k: torch.tensor(float(v)) for k, v in metrics.items()})
+    if target is None:
+        return
+    if replace:
+        for key in [k for k in target if k.startswith("growth/") and k.count("/") == 1]:
+            del target[key]
+    target.update({k: torch.tensor(float(v)) for k, v in metrics.items()})
 
 
 def history_path(trainer: Trainer) -> str:
