@@ -243,21 +243,14 @@ class PairedFork:
         self.cool_lrs = [[float(g["lr"]) for g in o.param_groups] if o is not None else [] for _, o in self.cool]
         self.cool_steps = 0
 
-    def _train(self, trainer: Any, pl_module: Any, network: nn.Module, module: nn.Module, x: Any, y: Any,
+    @staticmethod
+    def _train(trainer: Any, pl_module: Any, network: nn.Module, module: nn.Module, x: Any, y: Any,
                loss_fn: Any, accumulate: int) -> None:  # fmt: skip
-        """Forward and backward of ``module`` in the network's place on the batch, leaving the
-        gradients of the module's own parameters outside the network as they were (a head the copy
-        shares: under gradient accumulation Lightning zeroes them only once per step, so what the
-        copy's backward added would reach the run's next step)."""
-        mine = {id(p) for p in network.parameters()}
-        shared = [p for p in pl_module.parameters() if p.requires_grad and id(p) not in mine]
-        saved = [None if p.grad is None else p.grad.detach().clone() for p in shared]
+        """Forward and backward of ``module`` in the network's place on the batch."""
         module.train(network.training)
         with swapped(pl_module, network, module), trainer.precision_plugin.forward_context():
             loss = loss_fn(pl_module(x), y)
         (loss / accumulate).backward()
-        for p, grad in zip(shared, saved):
-            p.grad = grad
 
     @staticmethod
     def _step(trainer: Any, module: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -291,10 +284,17 @@ class PairedFork:
         length = self.cool_length(horizon_steps)
         cooling = self.cool is not None and self.cool_steps < (length or 0)  # once annealed, it waits for the check
         sides = [self.arm] + ([m for m, _ in self.cool] if cooling else [])
-        # on a fork of the random generators: a dropout in a copy must not move the run's random stream
+        # The module's own parameters outside the network (a head the copies share) keep their gradients: under
+        # gradient accumulation Lightning zeroes them once per step, so what a copy's backward added would reach
+        # the run's next step. And on a fork of the random generators: a copy's dropout must not move the run's.
+        mine = {id(p) for p in network.parameters()}
+        shared = [p for p in pl_module.parameters() if p.requires_grad and id(p) not in mine]
+        saved = [None if p.grad is None else p.grad.detach().clone() for p in shared]
         with forked_rng(trainer, next(network.parameters()).device):
             for module in sides:
                 self._train(trainer, pl_module, network, module, x, y, loss_fn, accumulate)
+        for p, grad in zip(shared, saved):
+            p.grad = grad
         stepped = int(trainer.global_step) != self._last_step  # the run stepped its optimizer on this batch
         if stepped:
             self._last_step = int(trainer.global_step)
