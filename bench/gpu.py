@@ -9,7 +9,9 @@ What it checks (one JSON, keys in brackets):
              ``Trainer(accelerator="gpu")``) in precision 32-true and bf16-mixed. Growth is forced
              (``rule="paper", t=1e-9``: every check grows, ``max_growths=2``) so that the check tests
              that probe, growth and optimizer reconfiguration run on the device, not the decision's
-             power. Then the checkpoint is reloaded and its outputs compared with the live model's.
+             power; and ``decision="stage_fork"`` (the paired fork's arm, cooled copies and forked
+             generators on the device; growth not forced). Then the checkpoint is reloaded and its
+             outputs compared with the live model's.
 [probe]      probe time and peak memory as ratios to one train-mode forward+backward over the same
              samples in the same batches (cuda events / perf_counter, ``max_memory_allocated`` above
              the memory held before; median of 3 interleaved repeats), per rule: preact and basic
@@ -17,6 +19,8 @@ What it checks (one JSON, keys in brackets):
              GPT-2-small dimensions (12 layers, d_model 768, 12 heads, context 1024, vocab 50257,
              64 sequences) under bf16 autocast. Target: <= 1.5x time and memory for the
              decision path (``projected=False``); ``projected=True`` is reported for reference.
+[precision]  Γ̂ per site and per-sample probe losses under bf16 and fp16 autocast against fp32 on
+             one trained network: the relative differences, and whether the best site is the same.
 [retained]   memory held after N repeated ``measure_saturation`` calls on one network
              (``memory_allocated`` before/after, CUDA) and probe activations still alive
              (weak references, any device). Target: 0.
@@ -120,7 +124,7 @@ class WhereAtEnd(L.Callback):
         self.grown_dtypes = sorted({str(p.dtype) for b in grown_blocks(pl_module.network) for p in b.parameters()})
 
 
-def fit_check(args, device, precision: str, root: Path) -> dict:
+def fit_check(args, device, precision: str, root: Path, decision: str = "rule") -> dict:
     L.seed_everything(0, verbose=False)
     size, width = (8, 4) if args.quick else (32, 16)
     dm = ImageDataModule(dataset="synthetic", image_size=size, synthetic_size=200 if args.quick else 6000,
@@ -131,6 +135,11 @@ def fit_check(args, device, precision: str, root: Path) -> dict:
     # decision="rule" with t≈0: this checks the growth mechanics on the device, so every check grows
     options = dict(rule="paper", t=1e-9, decision="rule", min_gain=None, max_growths=2, monitor=None, every_n_epochs=1,
                    verbose=False)  # fmt: skip
+    if decision != "rule":
+        # the paired fork's path on the device: the arm, its cooled copies, the forked generators
+        # (CUDA's too) and the shared head's gradients. Growth is not forced: min_gain=0 grows when
+        # the cooled arm scores lower at all, and the row reports what it decided.
+        options.update(decision=decision, schedule="periodic", min_gain=0.0)
     if "min_stage_epochs" in inspect.signature(GrowUntilSaturated).parameters:
         options["min_stage_epochs"] = 1  # check after every epoch
     grow = GrowUntilSaturated(**options)
@@ -142,7 +151,7 @@ def fit_check(args, device, precision: str, root: Path) -> dict:
     start = time.perf_counter()
     trainer.fit(module, dm)
     seconds = time.perf_counter() - start
-    path = root / f"fit-{precision}.ckpt"
+    path = root / f"fit-{decision}-{precision}.ckpt"
     trainer.save_checkpoint(path)
     reloaded = ImageClassifier.load_from_checkpoint(path, map_location=device)
     x = next(iter(dm.val_dataloader()))[0].to(device)
@@ -158,6 +167,8 @@ def fit_check(args, device, precision: str, root: Path) -> dict:
     diff = float((a - b).abs().max())
     return {
         "precision": precision,
+        "decision": decision,
+        "actions": [entry.get("action") for entry in grow.history],
         "grew": len(module.network.growth_log),
         "depth": module.network.depth(),
         "checks": grow.checks,
@@ -256,6 +267,49 @@ def probe_section(args, device) -> tuple[list[dict], list[str]]:
     rows += probe_ratios(f"gpt L{cfg.n_layer} d{cfg.d_model} T{cfg.block_size}", net, batches, token_cross_entropy,
                          device, args, autocast_dtype=dtype)  # fmt: skip
     return rows, notes
+
+
+# -- (b2) the checks' numbers in mixed precision against fp32 -----------------------------------------
+def precision_section(args, device) -> dict:
+    """Γ̂ per site, the site ranking and the per-sample probe losses (what the fork and the trial
+    compare) under bf16 and fp16 autocast, against fp32 on the same network and probe. A trained
+    network is what checks see: a few SGD steps first, so the gradients are not an init's."""
+    width, blocks, n, size = (4, (1, 1, 1), 64, 8) if args.quick else (32, (2, 2, 2), 2048, 32)
+    torch.manual_seed(0)
+    net = cifar_resnet(blocks, width=width, family="preact").to(device)
+    batches = image_batches(n, args.probe_batch, size, device)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    net.train()
+    for _ in range(3):
+        for x, y in batches:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+    net.eval()
+
+    def numbers(dtype):
+        report = measure_saturation(net, batches, F.cross_entropy, rule="paper", projected=False, autocast_dtype=dtype)
+        with torch.no_grad(), torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            losses = torch.cat([F.cross_entropy(net(x), y, reduction="none").float() for x, y in batches])
+        return {s: report.record(s).grad_norm for s in net.sites()}, losses
+
+    gamma32, loss32 = numbers(None)
+    out = {"network": f"preact w{width} {blocks}", "samples": n, "sites": len(gamma32)}
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    for name, dtype in dtypes.items():
+        try:
+            gamma, loss = numbers(dtype)
+        except Exception as error:  # fp16 autocast is not on every CPU build: report it
+            out[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
+            continue
+        rel = max(abs(gamma[s] - gamma32[s]) / max(abs(gamma32[s]), 1e-12) for s in gamma32)
+        out[name] = {
+            "gamma_max_rel_diff": round(rel, 4),
+            "best_site_same": max(gamma, key=gamma.get) == max(gamma32, key=gamma32.get),
+            "loss_mean_rel_diff": round(float((loss.mean() - loss32.mean()).abs() / loss32.mean()), 5),
+            "loss_per_sample_max_abs_diff": round(float((loss - loss32).abs().max()), 4),
+        }
+    return out
 
 
 # -- (c) retained memory after repeated checks --------------------------------------------------------
@@ -484,7 +538,7 @@ def main(argv=None) -> dict:
     if args.quick:
         args.repeats = min(args.repeats, 1)
     if args.only is None:
-        args.only = ["fit", "probe", "retained", "bad_input", "throughput"] + ([] if args.quick else ["cli"])
+        args.only = ["fit", "probe", "precision", "retained", "bad_input", "throughput"] + ([] if args.quick else ["cli"])
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*isinstance.*LeafSpec.*")
 
@@ -515,8 +569,10 @@ def _run_sections(args, device, result: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         sections = [
-            ("fit", lambda: {p: fit_check(args, device, p, root) for p in ("32-true", "bf16-mixed")}),
+            ("fit", lambda: {f"{d}:{p}" if d != "rule" else p: fit_check(args, device, p, root, d)
+                             for d in ("rule", "stage_fork") for p in ("32-true", "bf16-mixed")}),
             ("probe", lambda: probe_section(args, device)),
+            ("precision", lambda: precision_section(args, device)),
             ("retained", lambda: retained_section(args, device)),
             ("bad_input", lambda: bad_input_section(args, device)),
             ("throughput", lambda: throughput_section(args, device, root)),
@@ -541,7 +597,7 @@ def summary(result: dict) -> None:
     print(f"device {result['device']}, torch {result['torch']}, lightning {result['lightning']}, "
           f"{result['total_seconds']} s{' (quick)' if result['quick'] else ''}")  # fmt: skip
     for precision, run in result.get("fit", {}).items():
-        print(f"  fit {precision:10s}: grew {run['grew']} in {run['checks']} checks, reload identical "
+        print(f"  fit {precision:21s}: grew {run['grew']} in {run['checks']} checks {run['actions']}, reload identical "
               f"{run['reload_identical']} (max |diff| {run['reload_max_abs_diff']:.3g}), "
               f"{run['fit_seconds']} s")  # fmt: skip
     for row in result.get("probe", []):
@@ -551,6 +607,10 @@ def summary(result: dict) -> None:
         mem = f", memory {row['memory_ratio']}x" if "memory_ratio" in row else ""
         print(f"  probe {row['network']:28s} {row['rule']:9s} projected={row['projected']!s:5s}: "
               f"time {row['time_ratio']}x{mem} a train fwd+bwd")  # fmt: skip
+    prec = result.get("precision", {})
+    for name in ("bf16", "fp16"):
+        if name in prec:
+            print(f"  precision {name}: {prec[name]}")
     for rule, r in result.get("retained", {}).items():
         per_call = r["retained_bytes_per_call"]
         mem = "" if per_call is None else f", {per_call / 2**20:.2f} MiB retained per call"

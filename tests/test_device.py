@@ -178,7 +178,9 @@ def test_gpu_bench_runs_on_cpu_quick(tmp_path, capsys):
     assert result["device"] == "cpu" and result["quick"] is True
     for key in ("fit", "probe", "retained", "bad_input", "throughput"):
         assert key in result, key
-    assert all(run["grew"] >= 1 and run["reload_identical"] for run in result["fit"].values())
+    assert all(run["reload_identical"] and run["checks"] >= 1 for run in result["fit"].values())
+    assert all(result["fit"][p]["grew"] >= 1 for p in ("32-true", "bf16-mixed"))  # growth forced
+    assert {run["decision"] for run in result["fit"].values()} == {"rule", "stage_fork"}
     assert all(run["param_devices"] == ["cpu"] for run in result["fit"].values())
     assert result["bad_input"]["host_batches_moved"] and result["bad_input"]["split_error_names_both"]
     assert result["retained"]["paper"]["leaked_tensors"] == 0
