@@ -230,7 +230,7 @@ def _window_panel(ax, windows: Sequence[dict], xkey: str) -> None:
         _against_need(ax, fx, [100 * _window(h)["min_gain"] for h in full], "min_gain", "% of the probe loss", "")
     if empty:
         ax.plot([h[xkey] for h in empty], [0.04] * len(empty), "|", color="0.45", ms=12, mew=2,
-                transform=ax.get_xaxis_transform(), label="window not full yet: nothing compared (grows)")  # fmt: skip
+                transform=ax.get_xaxis_transform(), label="window not full yet: nothing compared (waits)")  # fmt: skip
     if not full:
         ax.text(0.5, 0.5, "no check's window was full yet: no gain measured", transform=ax.transAxes, ha="center",
                 va="center", color="0.45", fontsize=8)  # fmt: skip

@@ -22,7 +22,7 @@ import torch
 from growtrain.decision import Verdict
 from growtrain.trial import trial_test
 
-__all__ = ["window_reference", "window_prune", "window_test", "window_verdict"]
+__all__ = ["window_reference", "window_prune", "window_test", "window_verdict", "window_waits"]
 
 
 def window_reference(entries: Sequence[dict], epoch: int, window: int, unit: str = "epoch") -> dict | None:
@@ -44,6 +44,11 @@ def window_prune(entries: Sequence[dict], epoch: int, window: int, unit: str = "
     return list(entries[index:])
 
 
+def window_waits(verdict: Verdict) -> bool:
+    """Whether a window verdict decided nothing (its window was not full: no test was made)."""
+    return verdict.rule == "window" and not verdict.saturated and verdict.reason.startswith("wait:")
+
+
 def window_test(before: torch.Tensor, after: torch.Tensor, *, min_gain: float, level: float, seed: int = 0) -> dict:
     """The window's paired gain ``b − a`` per probe sample with one-sided ``1 − level`` bounds,
     as fractions of the loss at the window's start (``lower_frac``, ``gain_frac``, ``upper_frac``;
@@ -53,16 +58,18 @@ def window_test(before: torch.Tensor, after: torch.Tensor, *, min_gain: float, l
 
 def window_verdict(test: dict | None, *, window: int, epoch: int, reference_epoch: int | None,
                    min_gain: float, unit: str = "epoch") -> Verdict:  # fmt: skip
-    """Grow (``saturated=False``) while the window is not full or its certified gain beats
-    ``min_gain``; otherwise end growth. ``certified`` (and "certified saturation" in the reason)
+    """Grow (``saturated=False``, a site chosen by the caller) while the window's certified gain
+    beats ``min_gain``; otherwise end growth. While the window is not full (``test`` is ``None``)
+    nothing was compared, so nothing is decided: the verdict is not saturated and its reason starts
+    with "wait"; the caller grows nothing (``window_waits``). ``certified`` (and "certified saturation" in the reason)
     only when the window's upper bound is below ``min_gain`` too; else "no certified gain", with
     the probe's resolution: a gain above ``min_gain`` was not ruled out. ``unit``: what ``window``,
     ``epoch`` and ``reference_epoch`` count ("epoch", or "step": optimizer steps)."""
     length = f"{window}-epoch" if unit == "epoch" else f"{window}-step"
-    if test is None:
+    if test is None:  # no test, no growth: a check that grew here would grow blind (depth by construction)
         return Verdict("window", False, None, float("nan"), min_gain,
-                       f"grow: the {length} window is not full yet ({unit} {epoch}); the run grows every check "
-                       "until the probe loss can be compared with a check at least that far back")  # fmt: skip
+                       f"wait: the {length} window is not full yet ({unit} {epoch}); nothing is compared and "
+                       "nothing grows until the probe loss can be compared with a check at least that far back")  # fmt: skip
     span = f"from {unit} {reference_epoch} to {epoch}"
     level = test["level"]
     what = (f"the probe loss fell {span} by {100 * test['gain_frac']:.2f} % (at least {100 * test['lower_frac']:.2f} %, "

@@ -116,7 +116,8 @@ def test_the_periodic_window_rule_decides_under_fsdp2_as_under_ddp(runs):
     results, _ = runs
     (fs, fs1), dd = results["gpt:window"], results["gpt:windowddp"][0]
     assert [(h["action"], h.get("site")) for h in fs["history"]] == [(h["action"], h.get("site")) for h in dd["history"]]
-    assert fs["history"][0]["action"] == "grow" and fs["growth_log"] == dd["growth_log"]
+    # the first check's window is not full: it waits; a later, judged one grows a sharded block
+    assert fs["history"][0]["action"] == "wait" and fs["growth_log"] == dd["growth_log"] != []
     assert fs["window_entries"] == fs1["window_entries"]  # one decision on every rank
     for a, b in zip(fs["window_entries"], dd["window_entries"]):
         assert a["epoch"] == b["epoch"]

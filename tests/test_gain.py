@@ -111,8 +111,8 @@ class ProbeLosses(L.Callback):
 
 def _fit(tmp_path, min_gain=0.0, extra=(), max_epochs=8, **kw):
     """A periodic fit (a check every epoch, the window rule over 2 epochs, at the constant rate): until
-    growth ends every check grows at its best first-order site, so the window pairs checks of networks
-    of different depth."""
+    growth ends every check with a full window grows at its best first-order site, so the window pairs
+    checks of networks of different depth."""
     L.seed_everything(0)
     kw = {"every_n_epochs": 1, "window": 2, "max_growths": 4} | kw
     grow = GrowUntilSaturated(schedule="periodic", monitor=None, min_gain=min_gain, on_saturated="stop", verbose=False,
@@ -131,7 +131,7 @@ def test_every_window_verdict_pairs_the_losses_of_its_reference_check_by_hand(tm
     """Each full window's figures equal window_test on the per-sample probe losses computed
     independently at the reference check's epoch and at this check's (not the previous check's,
     not the first one's), with the bootstrap seeded by the check index; a window not full yet
-    carries no figures and grows."""
+    carries no figures and waits (grows nothing)."""
     from growtrain.window import window_test
 
     watch = ProbeLosses()
@@ -139,7 +139,7 @@ def test_every_window_verdict_pairs_the_losses_of_its_reference_check_by_hand(tm
     checks = [h for h in grow.history if "window" in h]
     full = [h for h in checks if h["window"]["reference_epoch"] is not None]
     assert len(full) >= 2, [(h["action"], h["window"]["reference_epoch"]) for h in checks]
-    assert "gain_frac" not in checks[0]["window"] and checks[0]["action"] == "grow"
+    assert all("gain_frac" not in c["window"] and c["action"] == "wait" and not c["sites"] for c in checks[:2])
     for h in full:
         ref = h["window"]["reference_epoch"]
         assert ref == max(c["epoch"] for c in checks if c["epoch"] <= h["epoch"] - 2)  # the latest a window back
@@ -308,15 +308,15 @@ def test_a_probe_that_changes_between_checks_is_a_clear_error(tmp_path, change, 
                 ys[17] = (ys[17] + 1) % 4
         return DataLoader(TensorDataset(xs, ys), batch_size=32)
 
-    class ChangeAfterFirstGrowth(L.Callback):  # runs after the grower's epoch-end hook
+    class ChangeAfterFirstCheck(L.Callback):  # runs after the grower's epoch-end hook
         def on_train_epoch_end(self, trainer, pl_module):
-            if grow.growths:
+            if grow.history:
                 state["changed"] = True
 
-    # the check of epoch 0 grows (no window yet); epoch 1's pairs its losses with epoch 0's
+    # the check of epoch 0 waits (no window yet); epoch 1's pairs its losses with epoch 0's
     grow = GrowUntilSaturated(probe=probe, schedule="periodic", every_n_epochs=1, window=1, min_gain=0.0,
                               verbose=False)  # fmt: skip
-    trainer = L.Trainer(max_epochs=4, callbacks=[grow, ChangeAfterFirstGrowth()], logger=False,
+    trainer = L.Trainer(max_epochs=4, callbacks=[grow, ChangeAfterFirstCheck()], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0)  # fmt: skip
     model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic")
@@ -326,7 +326,7 @@ def test_a_probe_that_changes_between_checks_is_a_clear_error(tmp_path, change, 
     import re
 
     assert re.search(message, str(err.value)), str(err.value)
-    assert grow.growths == 1 and model.network.depth() == 4 and len(grow.history) == 1  # no decision recorded
+    assert grow.growths == 0 and model.network.depth() == 3 and len(grow.history) == 1  # no decision recorded
 
 
 def test_a_fixed_probe_callable_passes_every_check(tmp_path):

@@ -116,7 +116,7 @@ def window(epoch, reference=None, gain=None, lower=None, upper=None, min_gain=0.
     """A decision="window" record's entry (growtrain/callbacks/window_check.py): the gain, its bounds and the
     probe loss at the window's start only once the window is full."""
     entry = {"window": 4, "reference_epoch": reference, "epoch": epoch, "min_gain": min_gain, "loss_now": 0.5,
-             "saturated": False, "certified": False, "reason": "grow: the 4-epoch window is not full yet"}  # fmt: skip
+             "saturated": False, "certified": False, "reason": "wait: the 4-epoch window is not full yet"}  # fmt: skip
     if gain is not None:
         saturated, certified = lower <= min_gain, upper < min_gain
         entry.update(gain_frac=gain, lower_frac=lower, upper_frac=upper, loss_before=0.6, n=200, level=0.05,
@@ -125,18 +125,21 @@ def window(epoch, reference=None, gain=None, lower=None, upper=None, min_gain=0.
 
 
 def window_history():
-    """schedule="periodic", every 2 epochs, a 4-epoch window: grows at 1 and 3 (window not full), at 5 (the
-    probe loss fell by a certified > 1 % since epoch 1), stops at 7 (its upper bound is below 1 %)."""
+    """schedule="periodic", every 2 epochs, a 4-epoch window: waits at 1 and 3 (window not full: nothing
+    compared, nothing grown), grows at 5 (the probe loss fell by a certified > 1 % since epoch 1), stops
+    at 7 (its upper bound is below 1 %)."""
     base = {"gamma": 0.2, "threshold": 0.6, "margin": 0.0, "rule": "crossfit"}
     grow = lambda epoch, site, depth, entry: {**base, "epoch": epoch, "lower": 0.03, "action": "grow",  # noqa: E731
                                               "site": site, "sites": [site], "depth_before": depth,
                                               "depth": depth + 1, "certified": False, "window": entry}
+    wait = lambda epoch: {**base, "epoch": epoch, "lower": 0.03, "action": "wait", "site": None,  # noqa: E731
+                          "sites": [], "depth_before": 3, "depth": 3, "certified": False, "window": window(epoch)}
     return [
-        grow(1, "layer1.1", 3, window(1)),
-        grow(3, "layer2.1", 4, window(3)),
-        grow(5, "layer3.1", 5, window(5, 1, 0.08, 0.05, 0.11)),
-        {**base, "epoch": 7, "lower": -0.01, "action": "saturated", "site": None, "sites": [], "depth_before": 6,
-         "depth": 6, "certified": True, "window": window(7, 3, 0.004, -0.002, 0.009),
+        wait(1),
+        wait(3),
+        grow(5, "layer3.1", 3, window(5, 1, 0.08, 0.05, 0.11)),
+        {**base, "epoch": 7, "lower": -0.01, "action": "saturated", "site": None, "sites": [], "depth_before": 4,
+         "depth": 4, "certified": True, "window": window(7, 3, 0.004, -0.002, 0.009),
          "reason": "certified saturation: the probe loss fell from epoch 3 to 7 by 0.40 %"},
     ]  # fmt: skip
 
@@ -162,25 +165,25 @@ def test_under_the_window_rule_the_window_panel_shows_what_decided():
     assert lines["best certified lower bound (reported)"] == ([1, 3, 5, 7], [0.03, 0.03, 0.03, -0.01])
     assert "best certified lower bound (decided)" not in lines and "chose the site to grow" in first.get_title(loc="left")
     for ax in fig.axes:
-        assert _vlines(ax, "C3", "-") == [1, 3, 5] and _vlines(ax, "k", ":") == [7]
-    assert {"layer1.1", "layer2.1", "layer3.1", "stop: certified saturation"} <= set(_notes(panel))
+        assert _vlines(ax, "C3", "-") == [5] and _vlines(ax, "k", ":") == [7]  # the waits grew nothing
+    assert {"layer3.1", "stop: certified saturation"} <= set(_notes(panel))
     footer = fig._supxlabel.get_text().replace("\n", " ")
-    assert "Final network: depth 6 (started at 3); blocks grown and kept: layer1.1, layer2.1, layer3.1." in footer
+    assert "Final network: depth 4 (started at 3); blocks grown and kept: layer3.1." in footer
     assert "Growth stopped at epoch 7 (certified saturation): certified saturation: the probe loss fell" in footer
 
 
 def test_a_window_rule_fit_whose_window_never_filled_still_has_its_panel():
-    """Every check grew before the window was full: the panel marks them all, with no gain drawn."""
+    """Every check waited for a full window: the panel marks them all, with no gain drawn."""
     panel, first, paper = plot_gamma_trace(window_history()[:2]).axes
     lines = _points(panel)
-    assert lines["window not full yet: nothing compared (grows)"][0] == [1, 3]
+    assert lines["window not full yet: nothing compared (waits)"][0] == [1, 3]
     assert "window gain (estimate)" not in lines and "min_gain" not in lines
     assert "no check's window was full yet: no gain measured" in _notes(panel)
 
 
 def test_a_real_window_rule_fits_history_draws_its_panel(tmp_path):
     """The callback's own records (not the synthetic ones above): a periodic fit whose window can never pay
-    (min_gain = 1000 %) grows while its window is not full, then stops at the first full one."""
+    (min_gain = 1000 %) waits while its window is not full, then stops at the first full one."""
     from growtrain.plots import outcome
     from tests.test_periodic import periodic_fit
 
@@ -192,7 +195,7 @@ def test_a_real_window_rule_fits_history_draws_its_panel(tmp_path):
     panel, first, paper = plot_gamma_trace(history).axes
     lines = _points(panel)
     last = history[-1]["window"]
-    assert lines["window not full yet: nothing compared (grows)"][0] == empty
+    assert lines["window not full yet: nothing compared (waits)"][0] == empty
     assert lines["window gain (estimate)"] == ([last["epoch"]], [100 * last["gain_frac"]])
     assert lines["its certified lower bound (grow above min_gain)"] == ([last["epoch"]], [100 * last["lower_frac"]])
     assert lines["its upper bound (certified saturation below min_gain)"] == ([last["epoch"]], [100 * last["upper_frac"]])

@@ -167,11 +167,13 @@ def test_a_periodic_fit_checks_every_k_epochs_at_the_constant_rate_then_anneals_
     grow, model, trainer, lr = periodic_fit(tmp_path, max_epochs=11, every_n_epochs=2, window=4)
     epochs = [h["epoch"] for h in grow.history]
     assert epochs == [1, 3, 5, 7]  # every 2 epochs; the last 3 of 11 are the final anneal's
-    assert [h["action"] for h in grow.history] == ["grow", "grow", "grow", "budget"]
-    assert "not full yet" in grow.history[0]["window"]["reason"]  # epochs 1, 3 have no check 4 epochs back
+    # epochs 1, 3 have no check 4 epochs back: nothing compared, nothing grown (no blind growth)
+    assert [h["action"] for h in grow.history] == ["wait", "wait", "grow", "budget"]
+    assert all(h["window"]["reason"].startswith("wait:") and "not full yet" in h["window"]["reason"]
+               and h["sites"] == [] and h["depth_before"] == 3 for h in grow.history[:2])  # fmt: skip
     assert grow.history[2]["window"]["reference_epoch"] == 1
     assert "reserved for the final anneal" in grow.history[-1]["reason"]
-    assert model.network.depth() == 6
+    assert model.network.depth() == 4 and len(model.network.growth_log) == 1
     assert lr.lrs[:8] == [0.1] * 8  # the constant rate while growing: no anneal before a check
     cosine = [0.1 * 0.5 * (1 + math.cos(math.pi * (k + 1) / 4)) for k in range(3)]
     assert lr.lrs[8:] == pytest.approx(cosine)  # one final anneal, complete inside max_epochs
@@ -181,9 +183,9 @@ def test_a_periodic_fit_checks_every_k_epochs_at_the_constant_rate_then_anneals_
 def test_the_window_ends_growth_and_the_final_anneal_follows_at_once(tmp_path):
     grow, model, trainer, lr = periodic_fit(tmp_path, max_epochs=12, min_gain=10.0)  # no window can pay 1000 %
     actions = [h["action"] for h in grow.history]
-    assert actions == ["grow", "grow", "saturated"]  # epochs 0, 1 have no check 2 epochs back; epoch 2 does
+    assert actions == ["wait", "wait", "saturated"]  # epochs 0, 1 have no check 2 epochs back; epoch 2 does
     assert grow.history[-1]["window"]["reference_epoch"] == 0
-    assert model.network.depth() == 5 and grow.growth_epochs == 3
+    assert model.network.depth() == 3 and grow.growth_epochs == 3 and not model.network.growth_log
     assert trainer.current_epoch == 6 and grow.final_epochs == 3  # stopped after the anneal, not at max_epochs
 
 

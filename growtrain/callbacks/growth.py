@@ -99,6 +99,8 @@ class GrowUntilSaturated(Callback):
             ranks the sites otherwise; every check reports every verdict.
         min_gain: the fraction of the held-out loss a trial block (trial) or the last ``window``
             epochs (window) must certifiably gain for growth to go on; ``None``: the rule alone.
+            A window check whose window is not full yet waits (action ``"wait"``): nothing grows
+            untested.
         decision: ``"trial"`` (converged default), ``"window"`` (periodic default), ``"rule"``,
             ``"fork"`` (periodic): the run against a copy with one more block, trained on the same
             batches until the next check, compared on the probe (growtrain/fork.py), or
@@ -432,6 +434,8 @@ class GrowUntilSaturated(Callback):
             if self._fork is not None and entry.get("open_new"):  # no fork was open: open one, decide nothing
                 opened = entry["open_new"] if isinstance(entry["open_new"], str) else self._fork.first_sites(report)
                 action, reason, sites = "fork", f"{verdict.reason} (at {opened})", []
+            elif entry is not None and entry.get("wait"):  # the window is not full: nothing tested, nothing grows
+                action, reason, sites = "wait", verdict.reason, []
             else:
                 action, reason, sites = dec.decide_growth(
                     saturated=verdict.saturated, ranked=ranked, reason=verdict.reason,
@@ -450,7 +454,7 @@ class GrowUntilSaturated(Callback):
                 if dec.budget_reason(growths=self.growths, max_growths=self.max_growths,
                                      params=telemetry.count_params(network), max_params=self.max_params) is None:
                     opened = self._fork.first_sites(self._measure(trainer, pl_module, network))
-        elif action != "fork":
+        elif action not in ("fork", "wait"):
             if self._fork is not None:
                 self._fork.close()
             self._finish(trainer, action, reason, annealed, certified)

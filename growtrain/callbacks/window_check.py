@@ -18,7 +18,7 @@ from growtrain.callbacks.probe_data import Converted, Fingerprinted, ProbeView, 
 from growtrain.decision import Verdict
 from growtrain.gain import signature_mismatch
 from growtrain.saturation_report import best_scored_site
-from growtrain.window import window_prune, window_reference, window_test, window_verdict
+from growtrain.window import window_prune, window_reference, window_test, window_verdict, window_waits
 
 __all__ = ["WindowRule", "probe_losses"]
 
@@ -73,6 +73,8 @@ class WindowRule:
         self.seconds += seconds
         verdict, entry = self.decide(losses, signatures, epoch=inputs.trainer.current_epoch, level=inputs.level,
                                      check=inputs.check, step=inputs.trainer.global_step)  # fmt: skip
+        if window_waits(verdict):  # nothing compared: the callback grows nothing and trains on
+            return verdict, [], {**entry, "wait": True}
         best = None if verdict.saturated else best_scored_site(inputs.report)
         return verdict, [best] if best else [], entry
 
