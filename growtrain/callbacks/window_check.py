@@ -40,7 +40,11 @@ def probe_losses(trainer: Any, pl_module: Any, network: Any, probe: Any, loss_fn
         start = time.perf_counter()
         device = next(network.parameters()).device
         fingerprinted = Fingerprinted(probe)
-        losses = per_sample_losses(ProbeView(pl_module, network), Converted(fingerprinted, trainer), loss_fn, device)
+        # under the trainer's precision, as the one-process path's probe pass (autocast to the same dtype):
+        # the kept losses of a window come from one precision whatever the world size
+        with trainer.precision_plugin.forward_context():
+            losses = per_sample_losses(ProbeView(pl_module, network), Converted(fingerprinted, trainer), loss_fn,
+                                       device)  # fmt: skip
         signatures = fingerprinted.signatures
         if trainer.world_size > 1:  # one decision on every rank, even if a GPU kernel is not bit-reproducible
             losses = trainer.strategy.broadcast(losses, src=0)
