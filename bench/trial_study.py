@@ -10,7 +10,8 @@ Statistics (``--kind``):
   and every other module in eval mode, the block alone trained for ``epochs`` epochs of the
   training split (``opt`` / ``lr``, cosine to 0), then per-sample losses compared, paired,
   with the network before, on the probe, the validation split, the official test split, and
-  ``holdout`` training images the trial did not train on.
+  ``holdout`` training images the trial did not train on (the network before it did: they are
+  in-sample for it, which is why the callback's trial scores the probe alone).
 * ``joint``  — paired joint trial: the grown and the not-grown copy, *all* parameters trained
   for the same budget on the same batches at a low rate; the grown copy's per-sample losses
   are compared with the not-grown copy's.

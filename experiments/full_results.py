@@ -54,7 +54,9 @@ def trial_flops(row, width=8, in_channels=1, classes=10, image=28, batch=128):
     """FLOPs of a growth row's trials, from its history (the fit's meter counts training steps
     only): per trial, ``steps × batch`` training samples at 3 × the forward FLOPs of the network
     with the trial block (an upper bound: the frozen layers form no weight gradients) plus every
-    scored sample (probe and held-back) once before (without the block) and once after (with it)."""
+    scored sample once before (without the block) and once after (with it): the probe (``n_probe``)
+    and, in records before 2026-12-04, the held-back training samples the trial pooled with it
+    (``n_holdout``)."""
     import torch
 
     from growtrain.callbacks.compute import forward_flops
@@ -70,7 +72,7 @@ def trial_flops(row, width=8, in_channels=1, classes=10, image=28, batch=128):
             probe = net.grow(t["site"], net.new_block(t["site"], seed=0))
             with_block = forward_flops(net, x)
             net.undo_growth([probe], len(net.growth_log) - 1)
-            scored = t.get("n_probe", 0) + t.get("n_holdout", 0)
+            scored = t.get("n_probe", 0) + t.get("n_holdout", 0)  # n_holdout: the historical rows only
             total += 3.0 * with_block * t.get("steps", 0) * batch + (base + with_block) * scored
         if h["action"] == "grow" and h.get("site"):
             net.grow(h["site"], net.new_block(h["site"], seed=0))

@@ -2,13 +2,15 @@
 
 Pure functions (no Lightning). A trial inserts a zero-output block at a site, freezes every
 other parameter (and keeps every other module in eval mode, so no BatchNorm statistic moves),
-trains the block alone for a short budget, and compares each held-out sample's loss after the
+trains the block alone for a short budget, and compares each probe sample's loss after the
 trial with its loss before (the block starts at zero output, so "before" is the network as it
-is). It is the paper's definition of saturation made finite: a candidate is saturated when no
-zero-state update of the *inserted* parameters lowers the loss. Why this and not the realized
-gain of a whole stage: per-sample differences of a block-only trial are 2–10× less spread (the
-rest of the network does not move), and the stage's own training is not credited to the block
-(docs/decision.md, "The decision study").
+is). The probe is split off the training data by dataset index and never trained on, by the
+network or by the trial: it is the only thing a trial is scored on. It is the paper's
+definition of saturation made finite: a candidate is saturated when no zero-state update of the
+*inserted* parameters lowers the loss. Why this and not the realized gain of a whole stage:
+per-sample differences of a block-only trial are 2–10× less spread (the rest of the network does
+not move), and the stage's own training is not credited to the block (docs/decision.md, "The
+decision study").
 
 * :func:`train_block` — the trial's training loop (Adam, cosine to 0): scale-free, since Adam's
   step does not grow with the loss's scale (an SGD step does), and a diverging trial is
@@ -31,22 +33,15 @@ from torch import nn
 from growtrain.decision import Verdict
 from growtrain.gain import gain_lower_bound, gain_test
 
-__all__ = ["DEFAULT_TRIAL_EPOCHS", "DEFAULT_TRIAL_LR", "DEFAULT_TRIAL_HOLDOUT", "TRIAL_SITES", "train_block", "trial_test",
-           "trial_certified", "trial_verdict", "label_entropy", "constant_prediction_loss", "at_chance"]  # fmt: skip
+__all__ = ["DEFAULT_TRIAL_EPOCHS", "DEFAULT_TRIAL_LR", "TRIAL_SITES", "train_block", "trial_test", "trial_certified",
+           "trial_verdict", "label_entropy", "constant_prediction_loss", "at_chance"]  # fmt: skip
 
 # Chosen by the decision study (docs/decision.md): half an epoch of Adam at 1e-3 per site.
 DEFAULT_TRIAL_EPOCHS = 0.5
 DEFAULT_TRIAL_LR = 1e-3
-# Training samples held back from each trial (its evaluation set beside the probe), at most this
-# fraction of an epoch: a trial of half an epoch then never trains on them. 20,000: the study's
-# per-sample spread puts one trial's standard error at ≈ 0.27 % of the loss, which gives a
-# Bonferroni-corrected bound (z ≈ 2.13) ≈ 94 % power to certify a 2 % gain above min_gain = 1 %
-# (10,000 gave 72 %; docs/decision.md, "The decision study").
-DEFAULT_TRIAL_HOLDOUT = 20000
 # Sites tried per check: the best first-order site of each stage of a three-stage ResNet, best first
 # (Bonferroni over them); a network with more stages tries its three best.
 TRIAL_SITES = 3
-HOLDOUT_FRACTION = 0.4
 # A trial trains at least this many steps, however small the epoch (half an epoch of 2000 images
 # is 8 steps: too few for a block to show its worth).
 MIN_TRIAL_STEPS = 100
@@ -132,7 +127,7 @@ def train_block(
 
 
 def trial_test(before: torch.Tensor, after: torch.Tensor, *, min_gain: float, level: float, seed: int = 0) -> dict:
-    """The trial's gain ``b − a`` per held-out sample, with one-sided ``1 − level`` bootstrap-t
+    """The trial's gain ``b − a`` per probe sample, with one-sided ``1 − level`` bootstrap-t
     bounds: ``lower`` (``paid`` iff ``lower > min_gain · loss_before``) and ``upper`` (an upper
     bound on the mean gain). Fractions of the loss: ``gain_frac``, ``lower_frac``, ``upper_frac``."""
     out = gain_test(before, after, min_gain=min_gain, level=level, seed=seed)
@@ -172,7 +167,7 @@ def constant_prediction_loss(targets: torch.Tensor, loss_fn: Any) -> float | Non
 
 
 def at_chance(loss: float, reference: float | None, margin: float = 0.1) -> bool:
-    """Has the network not learned: its held-out loss within ``margin`` (10 %) of ``reference``,
+    """Has the network not learned: its probe loss within ``margin`` (10 %) of ``reference``,
     the best constant prediction's loss (:func:`constant_prediction_loss`)?"""
     return reference is not None and reference > 0 and loss >= (1.0 - margin) * reference
 
@@ -195,8 +190,9 @@ def trial_verdict(trials: Sequence[dict], min_gain: float, chance: str | None = 
     or ``diverged=True``. The verdict's ``score`` is the best lower bound as a fraction of the
     loss, ``margin`` is ``min_gain``; ``certified`` (:func:`trial_certified`) says whether a stop
     is certified saturation. The reason starts with what was certified: "grow", "certified
-    saturation", or "no certified gain" with the resolution the evaluation set had (or the
-    network at chance level) — never "saturated" without the bound."""
+    saturation", or "no certified gain" with the resolution the probe had (or the network at
+    chance level) — never "saturated" without the bound — and says what was scored: the probe,
+    its ``n`` samples held out from training by index."""
     usable = [t for t in trials if not t.get("diverged") and t.get("lower_frac") is not None]
     failed = [t["site"] for t in trials if t.get("diverged")]
     note = f"; trial(s) at {', '.join(failed)} diverged (failed trials, the network is as it was)" if failed else ""
@@ -205,30 +201,32 @@ def trial_verdict(trials: Sequence[dict], min_gain: float, chance: str | None = 
                        f"no certified gain: no trial could be scored{note}")  # fmt: skip
     best = max(usable, key=lambda t: t["lower_frac"])
     level = best["level"]
+    # every trial of a check scores the same probe: the reader learns what the percentages are of
+    scored = f"the loss on the probe ({best['n']} samples held out from training by index)"
     if best["paid"]:
         return Verdict("trial", False, best["site"], best["lower_frac"], min_gain,
-                       f"grow: the block at {best['site']} lowers the held-out loss by at least "
+                       f"grow: the block at {best['site']} lowers {scored} by at least "
                        f"{100 * best['lower_frac']:.2f} % (estimate {100 * best['gain_frac']:.2f} %, "
-                       f"{100 * (1 - level):.1f} % bound, n={best['n']}) > min_gain {100 * min_gain:.2f} %{note}")  # fmt: skip
+                       f"{100 * (1 - level):.1f} % bound) > min_gain {100 * min_gain:.2f} %{note}")  # fmt: skip
     top = max(usable, key=lambda t: t["upper_frac"])
     tried = ", ".join(f"{t['site']} {100 * t['gain_frac']:+.2f} %" for t in usable)
     if chance is not None:  # no depth question to answer: the network has not learned
         return Verdict("trial", True, None, best["lower_frac"], min_gain,
-                       f"stopped at chance level, no certified gain: {chance}; no block tried certified a gain "
-                       f"above {100 * min_gain:.2f} % [tried: {tried}]{note}")  # fmt: skip
+                       f"stopped at chance level, no certified gain: {chance}; no block tried lowers {scored} by "
+                       f"a certified more than {100 * min_gain:.2f} % [tried: {tried}]{note}")  # fmt: skip
     certified = trial_certified(trials, min_gain, chance)
     at_most = f"the best gains at most {100 * top['upper_frac']:.2f} % ({100 * (1 - level):.1f} %)"
     if certified:
-        what = (f"certified saturation: no block tried lowers the held-out loss by more than "
+        what = (f"certified saturation: no block tried lowers {scored} by more than "
                 f"{100 * min_gain:.2f} %; {at_most}")  # fmt: skip
     elif top["upper_frac"] < min_gain:  # every scored block is bounded below min_gain, but one site was not scored
         what = (f"no certified gain: the blocks scored gain less than {100 * min_gain:.2f} % ({at_most}), but not "
                 "every site tried could be scored")  # fmt: skip
     else:
         half = 100 * (top["upper_frac"] - top["lower_frac"]) / 2
-        what = (f"no certified gain: no block tried lowers the held-out loss by a certified more than "
+        what = (f"no certified gain: no block tried lowers {scored} by a certified more than "
                 f"{100 * min_gain:.2f} % (best lower bound {100 * best['lower_frac']:.2f} %); {at_most}: not "
-                f"resolved below min_gain — this evaluation set resolves gains to about ±{half:.2f} % "
-                "of the loss")  # fmt: skip
+                f"resolved below min_gain — this probe resolves gains to about ±{half:.2f} % of the loss (a "
+                "larger probe resolves finer: the half-width falls as 1/√n)")  # fmt: skip
     return Verdict("trial", True, None, best["lower_frac"], min_gain, f"{what} [tried: {tried}]{note}",
                    certified=certified)

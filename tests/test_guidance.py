@@ -309,9 +309,9 @@ def test_resume_false_says_it_discards_earlier_rows(tmp_path):
 
 
 def test_the_default_trial_decision_does_not_warn_about_the_probe(tmp_path):
-    """The default decision scores held-back training samples beside the probe, with a 2–10×
-    tighter spread: the small-probe warning of the removed stage-gain decision does not apply (a
-    newcomer's first run is quiet)."""
+    """The default decision scores a trial block's paired gain on the probe, whose per-sample
+    differences spread 2–10× less than the removed stage-gain decision's: that decision's
+    small-probe warning does not apply (a newcomer's first run is quiet)."""
     import warnings
 
     grow = GrowUntilSaturated(monitor=None, min_gain=0.01, verbose=False)

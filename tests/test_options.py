@@ -27,7 +27,7 @@ from growtrain.callbacks.anneal import LrAnneal
 from growtrain.callbacks.growth_config import DECISIONS, GrowthConfig
 from growtrain.callbacks.monitor import StageMonitor
 from growtrain.callbacks.trial_check import BlockTrials
-from growtrain.trial import DEFAULT_TRIAL_HOLDOUT, DEFAULT_TRIAL_LR, TRIAL_SITES
+from growtrain.trial import DEFAULT_TRIAL_LR, TRIAL_SITES
 
 # The 15 options removed in the eighth session (docs/results/history.md), each with a value an old config passed.
 FORMER_OPTIONS = {
@@ -53,10 +53,10 @@ def test_a_former_option_is_pythons_plain_type_error_before_any_state(name, tmp_
 
 
 def test_the_trial_constants_are_the_default_decisions():
-    assert (DEFAULT_TRIAL_LR, DEFAULT_TRIAL_HOLDOUT, TRIAL_SITES) == (1e-3, 20000, 3)
+    assert (DEFAULT_TRIAL_LR, TRIAL_SITES) == (1e-3, 3)
     trials = GrowUntilSaturated(verbose=False)._trials  # the default decision's collaborator uses them
     assert isinstance(trials, BlockTrials)
-    assert (trials.lr, trials.holdout, trials.sites) == (1e-3, 20000, 3)
+    assert (trials.lr, trials.sites) == (1e-3, 3)
 
 
 # -- what is left ------------------------------------------------------------------------------------

@@ -104,12 +104,15 @@ def test_the_verdict_says_what_it_certified():
     small = {"site": "layer3.1", "paid": False, "lower_frac": 0.001, "gain_frac": 0.003, "upper_frac": 0.005, "level": 0.0167, "n": 12000}
     wide = {"site": "layer1.1", "paid": False, "lower_frac": -0.01, "gain_frac": 0.005, "upper_frac": 0.02, "level": 0.0167, "n": 500}
     v = trial_verdict([small, grow], 0.01)
-    assert not v.saturated and v.site == "layer2.1" and "lowers the held-out loss by at least 2.00 %" in v.reason
+    assert not v.saturated and v.site == "layer2.1"
+    assert "lowers the loss on the probe (12000 samples held out from training by index) by at least 2.00 %" in v.reason
     assert not v.certified
     v = trial_verdict([small], 0.01)
     assert v.saturated and v.certified and v.reason.startswith("certified saturation") and "at most 0.50 %" in v.reason
+    assert "the probe (12000 samples held out from training by index)" in v.reason
     v = trial_verdict([small, wide], 0.01)  # wide's upper bound 2 % > min_gain: a gain above 1 % is not ruled out
     assert v.saturated and not v.certified and v.reason.startswith("no certified gain") and "not resolved" in v.reason
+    assert "this probe resolves gains to about ±1.50 %" in v.reason and "larger probe" in v.reason
     assert "saturat" not in v.reason
     # a diverged trial says nothing about its block: every scored block below min_gain is not enough
     v = trial_verdict([{"site": "layer1.1", "diverged": True}, small], 0.01)
@@ -167,14 +170,14 @@ class Guard(L.Callback):
     pass
 
 
-def fit_trial(tmp_path, **kw):
+def fit_trial(tmp_path, trainer_kw=None, **kw):
     L.seed_everything(0)
     kw = {"max_growths": 2, "min_gain": 0.01, "trial_epochs": 0.5} | kw
     grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, lr_schedule="anneal", anneal_epochs=1,
                               on_saturated="anneal", verbose=False, **kw)  # fmt: skip
     trainer = L.Trainer(max_epochs=8, callbacks=[grow], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
-                        default_root_dir=tmp_path)  # fmt: skip
+                        default_root_dir=tmp_path, **(trainer_kw or {}))  # fmt: skip
     model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3,
                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))  # fmt: skip
     return grow, model, trainer
@@ -230,11 +233,11 @@ def test_bad_trial_options_are_refused_naming_the_argument(kw, arg):
 
 
 def test_the_trials_run_with_the_constants_that_replaced_their_options():
-    from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_HOLDOUT, DEFAULT_TRIAL_LR, TRIAL_SITES
+    from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_LR, TRIAL_SITES
 
-    assert (DEFAULT_TRIAL_LR, DEFAULT_TRIAL_HOLDOUT, TRIAL_SITES) == (1e-3, 20000, 3)
+    assert (DEFAULT_TRIAL_LR, TRIAL_SITES) == (1e-3, 3)
     trials = GrowUntilSaturated(trial_epochs=0.25)._trials
-    assert (trials.lr, trials.holdout, trials.sites, trials.epochs) == (DEFAULT_TRIAL_LR, DEFAULT_TRIAL_HOLDOUT, 3, 0.25)
+    assert (trials.lr, trials.sites, trials.epochs) == (DEFAULT_TRIAL_LR, 3, 0.25)
     assert GrowUntilSaturated().trial_epochs == DEFAULT_TRIAL_EPOCHS
     assert GrowUntilSaturated(min_gain=None)._trials is None  # no trial without one to decide
 
@@ -317,7 +320,7 @@ def test_the_chance_guard_reads_the_probes_mean_loss():
 
 def test_the_summary_table_shows_what_the_trial_certified():
     """decision="trial": the summary's row shows the number that decided (the best trial's
-    certified gain, % of the held-out loss), beside the first-order lower bound that only chose
+    certified gain, % of the probe loss), beside the first-order lower bound that only chose
     the sites; a run without trials shows no such column."""
     import io
 
@@ -356,9 +359,9 @@ def test_an_untrained_fit_is_stopped_as_not_saturated(tmp_path):
     assert grow.finished == "saturated" and grow.stop_reason.startswith("stopped at chance level")
 
 
-def test_a_trial_never_trains_on_the_samples_it_is_scored_on():
-    """The held-back batches come first; in later passes over the loader (a trial longer than the
-    rest of the epoch) those samples are dropped from every batch, matched by fingerprint."""
+def test_the_trials_training_batches_are_the_train_loaders_pass_after_pass():
+    """What a trial block trains on: the training loader's batches, every sample of every pass
+    (none is set aside: nothing of the training data is scored), for as many passes as it takes."""
     from types import SimpleNamespace
 
     from torch.utils.data import DataLoader, TensorDataset
@@ -368,16 +371,13 @@ def test_a_trial_never_trains_on_the_samples_it_is_scored_on():
     x = torch.arange(64, dtype=torch.float32).view(64, 1).repeat(1, 3)
     y = torch.arange(64) % 4
     loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
-    same = lambda b, *a: b  # noqa: E731
-    trainer = SimpleNamespace(train_dataloader=loader, precision_plugin=SimpleNamespace(convert_input=same))
-    module = SimpleNamespace(_call_batch_hook=lambda name, b, *a: b, _apply_batch_transfer_handler=same)
-    held: list = []
-    batches = BlockTrials._train_batches(trainer, module, held)
-    held.extend(next(batches) for _ in range(2))
-    held_ids = {int(v) for b in held for v in b[0][:, 0]}
-    trained = [int(v) for _ in range(20) for v in next(batches)[0][:, 0]]  # 2.5 more passes
-    assert len(held_ids) == 16 and not held_ids & set(trained)
-    assert set(trained) == set(range(64)) - held_ids  # everything else is trained on
+    trainer = SimpleNamespace(train_dataloader=loader, precision_plugin=SimpleNamespace(convert_input=lambda b: b))
+    batches = BlockTrials._train_batches(trainer)
+    passes = [sorted(int(v) for _ in range(8) for v in next(batches)[0][:, 0]) for _ in range(3)]
+    assert passes == [list(range(64))] * 3
+    batches.close()
+    empty = SimpleNamespace(train_dataloader=[], precision_plugin=trainer.precision_plugin)
+    assert list(BlockTrials._train_batches(empty)) == []  # an empty loader ends the trial's batches, no endless loop
 
 
 def test_a_fit_without_a_root_dir_writes_into_the_tests_own_directory(tmp_path):
@@ -395,14 +395,169 @@ def test_a_fit_without_a_root_dir_writes_into_the_tests_own_directory(tmp_path):
     assert (tmp_path / "growth_history.json").exists()  # the default outputs landed here
 
 
-def test_the_probes_share_of_a_trial_is_its_own_gain(tmp_path):
-    """``probe_gain_frac`` is the probe samples' mean gain over their mean loss before: with no
-    held-back training samples (the collaborator's hold-out set to 0) it is the pooled test's point
-    estimate itself."""
-    grow, model, trainer = fit_trial(tmp_path, min_gain=5.0)
-    grow._trials.holdout = 0
-    trainer.fit(model, tiny_dm())
+# -- what a trial trains on and what it scores, by dataset index -------------------------------------
+class _Ledger:
+    """Which dataset indices every forward of the trials ran on, by identity, not by value.
+
+    ``TensorImages`` (the datamodule's in-memory train and probe sets, rows of one storage) records
+    each fetch's storage indices; a forward pre-hook on the module takes the fetch made since the
+    previous forward, so a forward on anything but the samples just fetched (a batch set aside
+    earlier, a re-used tensor) is an anomaly. Loaders have no workers: a fetch is the ``next()``
+    that hands the batch on. A forward with gradients is the trial's training, one without is
+    scoring. Only calls inside ``BlockTrials.run`` count."""
+
+    def __init__(self):
+        self.active, self.pending = False, None
+        self.trained: list[int] = []
+        self.scored: list[int] = []
+        self.anomalies: list[str] = []
+        self.train_dtypes: set = set()
+        self.by_hand: list[float] = []  # the probe's mean cross-entropy before each check, computed here
+
+    def fetched(self, dataset, indices: torch.Tensor) -> None:
+        if self.active:  # a fetch nobody forwards (the chance guard's targets, train_block's last) is dropped
+            self.pending = indices.tolist()
+
+    def forward(self, module, args) -> None:
+        if not self.active:
+            return
+        x = args[0]
+        if self.pending is None or len(self.pending) != x.shape[0]:
+            self.anomalies.append(f"a forward of {x.shape[0]} samples, {self.pending and len(self.pending)} fetched")
+        elif torch.is_grad_enabled():
+            self.trained += self.pending
+            self.train_dtypes.add(x.dtype)
+        else:
+            self.scored += self.pending
+        self.pending = None
+
+
+def _instrumented_trial_fit(tmp_path, monkeypatch, dm):
+    """One check of ``decision="trial"`` (no block can pay min_gain=500 %) with every dataset
+    fetch and forward inside the trials on the ledger; returns the callback and the ledger."""
+    from growtrain.callbacks.trial_check import BlockTrials
+    from growtrain.data.datamodule import TensorImages
+
+    ledger = _Ledger()
+    getitems, getitem = TensorImages.__getitems__, TensorImages.__getitem__
+
+    def fetch_many(self, idx):
+        ledger.fetched(self, self.indices[torch.as_tensor(idx, dtype=torch.long)])
+        return getitems(self, idx)
+
+    def fetch_one(self, i):
+        ledger.fetched(self, self.indices[torch.as_tensor([i], dtype=torch.long)])
+        return getitem(self, i)
+
+    run = BlockTrials.run
+
+    def recorded_run(self, trainer, pl_module, network, report, probe, loss_fn, level):
+        modes = [(m, m.training) for m in pl_module.modules()]
+        pl_module.eval()
+        with torch.no_grad():  # the probe's per-sample cross-entropy, by hand: the loader's own batches
+            losses = [F.cross_entropy(pl_module(x), y, reduction="none") for x, y in dm.probe_dataloader()]
+        for m, was in modes:
+            m.training = was
+        ledger.by_hand.append(float(torch.cat(losses).double().mean()))
+        hook = pl_module.register_forward_pre_hook(ledger.forward)
+        ledger.active = True
+        try:
+            return run(self, trainer, pl_module, network, report, probe, loss_fn, level)
+        finally:
+            ledger.active = False
+            hook.remove()
+
+    monkeypatch.setattr(TensorImages, "__getitems__", fetch_many)
+    monkeypatch.setattr(TensorImages, "__getitem__", fetch_one)
+    monkeypatch.setattr(BlockTrials, "run", recorded_run)
+    grow, model, trainer = fit_trial(tmp_path, min_gain=5.0, decision="trial")
+    trainer.fit(model, dm)
+    return grow, ledger
+
+
+@pytest.fixture
+def augmented_dm():
+    # augmented (a new crop and flip each time a sample is drawn, so no fingerprint recognises it);
+    # 240 training images in batches of 32: 7 batches an epoch, so a trial's 100 steps make 14 passes
+    return tiny_dm(augment=True, synthetic_size=400, probe_size=120, val_size=40, batch_size=32)
+
+
+def test_the_trial_scores_the_probe_alone_and_never_trains_on_it(tmp_path, monkeypatch, augmented_dm):
+    grow, ledger = _instrumented_trial_fit(tmp_path, monkeypatch, augmented_dm)
     trials = grow.history[0]["trial"]["trials"]
-    assert all(t["n_holdout"] == 0 and t["n_probe"] > 0 for t in trials)
-    assert [t["probe_gain_frac"] for t in trials] == pytest.approx([t["gain_frac"] for t in trials], rel=1e-9)
-    assert any(abs(t["gain_frac"]) > 1e-4 for t in trials)  # the trials moved the loss: the equality is not 0 = 0
+    assert len(trials) == 3 and not any(t["diverged"] for t in trials)
+    assert ledger.anomalies == []  # every forward ran on the samples fetched for it: nothing set aside earlier
+    probe, train = augmented_dm.probe_indices.tolist(), set(augmented_dm.train_indices.tolist())
+    # scored: the probe, whole, in its order, once before the trials and once after each; nothing else
+    assert ledger.scored == probe * (1 + len(trials))
+    # trained: training samples only (every one of them, over 14 passes), never a scored one
+    assert set(ledger.trained) == train and not set(ledger.trained) & set(ledger.scored)
+    assert len(ledger.trained) == sum(t["steps"] for t in trials) * augmented_dm.batch_size
+    assert ledger.train_dtypes == {torch.float32}  # as a training step sees them: normalised (and augmented)
+
+
+def test_the_trials_n_is_the_probes_size_and_its_loss_before_is_the_probes_cross_entropy(
+        tmp_path, monkeypatch, augmented_dm):  # fmt: skip
+    grow, ledger = _instrumented_trial_fit(tmp_path, monkeypatch, augmented_dm)
+    check = grow.history[0]["trial"]
+    assert [t["n"] for t in check["trials"]] == [augmented_dm.probe_size] * 3
+    assert [t["n_probe"] for t in check["trials"]] == [augmented_dm.probe_size] * 3
+    assert not {"n_holdout", "probe_gain_frac"} & set().union(*check["trials"])  # nothing else was scored
+    assert len(ledger.by_hand) == 1
+    assert [t["loss_before"] for t in check["trials"]] == pytest.approx([ledger.by_hand[0]] * 3, rel=1e-6)
+    for t in check["trials"]:  # the gain is the loss before less the loss after, as fractions of the former
+        assert t["gain_frac"] == pytest.approx(t["mean"] / t["loss_before"], rel=1e-9)
+    assert f"the probe ({augmented_dm.probe_size} samples held out from training by index)" in check["reason"]
+
+
+def _leaky_probe(dm):
+    """The datamodule's probe loader with one training sample's dataset index added."""
+    from growtrain.data.datamodule import TensorImages
+
+    dm.setup("fit")
+    indices = torch.cat([dm.probe_indices, dm.train_indices[:1]])
+    return dm._loader(TensorImages(*dm._loaded()["train"], indices), train=False)
+
+
+@pytest.mark.parametrize("leak", ["probe loader", "datamodule split"])
+def test_a_probe_sharing_one_index_with_the_training_data_is_refused_before_any_trial(tmp_path, monkeypatch, leak):
+    from growtrain.callbacks.trial_check import BlockTrials
+
+    dm = tiny_dm()
+    kw = {"decision": "trial"}
+    if leak == "probe loader":
+        kw["probe"], match = _leaky_probe(dm), r"1 sample index\(es\) are in both the probe and the train set"
+    else:
+        dm.setup("fit")
+        dm._split = (dm._split[0], torch.cat([dm._split[1], dm._split[0][:1]]), dm._split[2])
+        match = r"share 1 sample\(s\)"
+    runs = []
+    monkeypatch.setattr(BlockTrials, "run", lambda *a: runs.append(1))
+    grow, model, trainer = fit_trial(tmp_path, **kw)
+    with pytest.raises(ValueError, match=rf"^probe: .*{match}.*Fix: "):
+        trainer.fit(model, dm)
+    assert runs == [] and trainer.global_step == 0
+
+
+class _ReloadedWithALeak(ImageDataModule):
+    """A datamodule whose train loader, reloaded after the first epoch, also holds one probe sample."""
+
+    def train_dataloader(self):
+        from growtrain.data.datamodule import TensorImages
+
+        self.calls = getattr(self, "calls", 0) + 1
+        indices = self.train_indices if self.calls == 1 else torch.cat([self.train_indices, self.probe_indices[:1]])
+        return self._loader(TensorImages(*self._loaded()["train"], indices), train=True)
+
+
+def test_a_train_loader_reloaded_onto_a_probe_sample_is_refused_at_the_trial(tmp_path):
+    """Refused at the start of training is not enough: the trial trains on the loader of its own
+    epoch, and one reloaded since (reload_dataloaders_every_n_epochs) must not hold a probe sample."""
+    dm = _ReloadedWithALeak(dataset="synthetic", image_size=8, synthetic_size=400, synthetic_classes=4,
+                            probe_size=120, val_size=40, batch_size=32, augment=False)  # fmt: skip
+    grow, model, trainer = fit_trial(tmp_path, {"reload_dataloaders_every_n_epochs": 1}, decision="trial")
+    match = r"^probe: .*1 sample index\(es\) are in both the probe and the train set"
+    with pytest.raises(ValueError, match=match) as info:
+        trainer.fit(model, dm)
+    assert any(entry.path.name == "trial_check.py" for entry in info.traceback)  # raised by the trial itself
+    assert dm.calls >= 2 and trainer.current_epoch >= 1 and grow.history == []  # trained, then refused at the trial

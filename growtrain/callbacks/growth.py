@@ -46,7 +46,7 @@ from growtrain.growable import probe_loss_for, resolve_network
 from growtrain.plots import outcome
 from growtrain.reconfigure import restart_schedulers
 from growtrain.saturation import SaturationReport
-from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_HOLDOUT, DEFAULT_TRIAL_LR, TRIAL_SITES
+from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_LR, TRIAL_SITES
 
 __all__ = ["GrowUntilSaturated", "FunctionChangedError"]
 
@@ -65,7 +65,8 @@ class GrowUntilSaturated(Callback):
     ``schedule="converged"`` (the default, the paper's protocol) checks when the monitored loss has
     plateaued (with ``lr_schedule="anneal"``: after a cosine anneal of the stage); each check trains a
     fresh block alone at the best first-order site of each stage and grows where one lowers the
-    held-out loss by a certified more than ``min_gain`` of it (``decision="trial"``).
+    probe's loss (samples held out from training by index) by a certified more than ``min_gain``
+    of it (``decision="trial"``).
     ``schedule="periodic"`` checks every ``every_n_epochs`` at the constant rate and grows at the best
     first-order site until the run's own probe loss has not fallen by a certified ``min_gain`` over
     the last ``window`` epochs (``decision="window"``), then one final anneal. docs/callback.md has a
@@ -170,8 +171,8 @@ class GrowUntilSaturated(Callback):
             every_n_train_steps=self.every_n_train_steps)
         # the decision: one interface, judge(CheckInputs) → (verdict, sites, record entry)
         self._decider = {
-            "trial": lambda: BlockTrials(epochs=self.trial_epochs, lr=DEFAULT_TRIAL_LR, holdout=DEFAULT_TRIAL_HOLDOUT,
-                                         sites=TRIAL_SITES, min_gain=self.min_gain, seed=self.seed),
+            "trial": lambda: BlockTrials(epochs=self.trial_epochs, lr=DEFAULT_TRIAL_LR, sites=TRIAL_SITES,
+                                         min_gain=self.min_gain, seed=self.seed),
             "window": lambda: WindowRule(window=self.window, min_gain=self.min_gain, seed=self.seed,
                                          unit="epoch" if self.every_n_train_steps is None else "step"),
             "rule": FirstOrderRule,

@@ -197,7 +197,7 @@ def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: in
         "check": lambda h: str(h.get("check")), "epoch": lambda h: str(h.get("epoch")),
         "depth": lambda h: _fmt(h.get("depth_before")), "action": outcome,
         "site": lambda h: _fmt(h.get("site")), "first-order ≥": lambda h: _fmt(h.get("lower"), ".3g"),
-        # decision="trial": what decided — the best trial's certified gain, % of the held-out loss
+        # decision="trial": what decided — the best trial's certified gain, % of the probe loss
         "block gain ≥ %": lambda h: _fmt(100 * (h.get("trial") or h.get("fork"))["lower_frac"], ".3g")
         if (h.get("trial") or h.get("fork") or {}).get("lower_frac") is not None else "–",
         "margin": lambda h: _fmt(h.get("margin")), "ratio (×R)": lambda h: _fmt(h.get("ratio"), ".3g"),
@@ -220,7 +220,7 @@ def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: in
         table.add_row(*(cells[c](h) for c in columns))
     # "certified saturation" only where the stop's verdict certified it (its record's ``certified``:
     # an upper bound below the margin); otherwise "no certified gain", and the reason gives the
-    # resolution the evaluation set had (or that the network is at chance level)
+    # resolution the probe had (or that the network is at chance level)
     stop = next((h for h in reversed(history) if h.get("action") == "saturated"), {})
     why = {None: "growth had not ended when the fit stopped (max_epochs, max_steps or another callback)",
            "saturated": "certified saturation" if stop.get("certified") else "no certified gain from more depth",

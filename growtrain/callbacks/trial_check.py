@@ -4,18 +4,23 @@ A collaborator with its own state, not a mixin: the callback hands it the traine
 the network and the check's first-order report, and gets back a verdict (``growtrain.trial``
 decides). Per check it tries up to ``TRIAL_SITES`` (3) sites — the best first-order site of each
 stage, best first — and for each: a fresh zero-output block goes in, is trained alone for
-``trial_epochs`` of the training loader's batches (Adam, cosine to 0), and each held-out
-sample's loss is compared with its loss before; then the block is taken out again, so the network
-is bit-for-bit what it was (the other parameters were frozen, every other module in eval mode,
-the trial's optimizer is its own). Held-out samples: the probe, plus the first
-``DEFAULT_TRIAL_HOLDOUT`` (20,000) training samples of the trial's pass over the training loader, which the trial
-does not train on (at most 40 % of an epoch; docs/decision.md says why and what they add).
+``trial_epochs`` of the training loader's batches (as a training step receives them; Adam, cosine
+to 0), and each probe sample's loss is compared with its loss before; then the block is taken out
+again, so the network is bit-for-bit what it was (the other parameters were frozen, every other
+module in eval mode, the trial's optimizer is its own).
+
+What is scored: the probe alone — samples split off the training data by dataset index, which
+neither the network nor the trial ever trains on. ``check_probe_independent`` refuses a probe
+that shares a dataset index with the training loader, at the start of training and again at every
+trial (a loader reloaded since could). Training samples are never scored: the network before the
+trial was trained on them, and with augmentation no fingerprint tells a new crop of a sample from
+another sample (docs/decision.md, "The decision study").
 
 Under DDP every rank trains the same block (its gradients are averaged) and rank 0's verdict is
 broadcast, so every rank takes the same action. Under FSDP2 the trial block is sharded like its
 neighbours for the trial (FSDP gathers its parameters and averages its gradients, with the
-neighbours' mixed-precision policy) and taken out again with its unit; the held-out and probe
-passes are collectives, run by every rank alike.
+neighbours' mixed-precision policy) and taken out again with its unit; the probe passes are
+collectives, run by every rank alike.
 """
 
 from __future__ import annotations
@@ -29,11 +34,11 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 from growtrain import fsdp
+from growtrain.callbacks.probe_check import check_probe_independent
 from growtrain.callbacks.probe_data import Converted, ProbeView, as_training_batch, per_sample_losses
 from growtrain.callbacks.progress import Steps, counted, progress_for
-from growtrain.gain import sample_signatures
 from growtrain.trial import (
-    HOLDOUT_FRACTION, MIN_TRIAL_STEPS, at_chance, constant_prediction_loss, train_block, trial_test, trial_verdict,
+    MIN_TRIAL_STEPS, at_chance, constant_prediction_loss, train_block, trial_test, trial_verdict,
 )  # fmt: skip
 
 __all__ = ["BlockTrials", "trial_candidates"]
@@ -64,8 +69,8 @@ class BlockTrials:
                  "lower_frac": verdict.score, "min_gain": verdict.margin, "reason": verdict.reason, "trials": trials}
         return verdict, [verdict.site] if verdict.site else [], entry
 
-    def __init__(self, *, epochs: float, lr: float, holdout: int, sites: int, min_gain: float, seed: int):
-        self.epochs, self.lr, self.holdout, self.sites = epochs, lr, holdout, sites
+    def __init__(self, *, epochs: float, lr: float, sites: int, min_gain: float, seed: int):
+        self.epochs, self.lr, self.sites = epochs, lr, sites
         self.min_gain, self.seed = min_gain, seed
         self.trials = 0  # trials run so far: seeds each trial's block and bootstrap
         self.seconds = 0.0  # wall time in trials, this process
@@ -78,58 +83,44 @@ class BlockTrials:
 
     # -- batches -------------------------------------------------------------------------
     @staticmethod
-    def _train_batches(trainer: Trainer, pl_module: LightningModule, held: list) -> Iterator[tuple[Any, Any]]:
-        """The training loader's batches as a training step receives them, pass after pass. The
-        first ones fill ``held`` (the trial's held-back samples); from the second pass on, those
-        samples are dropped from every batch (matched by their fingerprints), so a trial longer
-        than the rest of an epoch never trains on what it is scored on."""
+    def _train_batches(trainer: Trainer) -> Iterator[tuple[Any, Any]]:
+        """The training loader's batches as a training step receives them (``as_training_batch``:
+        the precision conversion and the batch hooks, augmentation included), pass after pass:
+        what the trial block trains on. None of them is scored (the probe is)."""
         loader = trainer.train_dataloader
         if loader is None:
             raise RuntimeError("decision='trial': the trainer has no training dataloader to train a trial block on")
-        exclude = None
         while True:
             empty = True
             for batch in loader:
                 empty = False
                 batch = as_training_batch(trainer, batch)
-                x, y = batch[0], batch[-1]
-                if exclude is not None and isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-                    keep = ~torch.isin(sample_signatures((x, y)), exclude)
-                    if not bool(keep.any()):
-                        continue
-                    x, y = (x, y) if bool(keep.all()) else (x[keep], y[keep])
-                yield x, y
+                yield batch[0], batch[-1]
             if empty:
                 return
-            if exclude is None and held:
-                exclude = torch.cat([sample_signatures(b) for b in held])
 
-    def _steps_and_holdout(self, trainer: Trainer) -> tuple[int, int]:
+    def _steps(self, trainer: Trainer) -> int:
         batches = trainer.num_training_batches
         if not isinstance(batches, int) or not math.isfinite(batches) or batches < 1:
             batches = len(trainer.train_dataloader)
-        steps = max(MIN_TRIAL_STEPS, int(round(self.epochs * batches)))  # small data: enough steps to learn
-        holdout_batches = min(int(HOLDOUT_FRACTION * batches), math.ceil(self.holdout / max(1, self._batch(trainer))))
-        return steps, max(0, holdout_batches) if self.holdout > 0 else 0
-
-    @staticmethod
-    def _batch(trainer: Trainer) -> int:
-        size = getattr(trainer.train_dataloader, "batch_size", None)
-        return int(size) if isinstance(size, int) and size > 0 else 1
+        return max(MIN_TRIAL_STEPS, int(round(self.epochs * batches)))  # small data: enough steps to learn
 
     # -- one check -----------------------------------------------------------------------
     def run(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module, report: Any, probe: Any,
             loss_fn: Any, level: float) -> tuple[Any, list[dict]]:  # fmt: skip
         """Try the candidate sites; return ``(verdict, trials)`` (``growtrain.trial.trial_verdict``).
 
-        Each phase (the probe's losses, each trial's held-out losses, training and scoring) shows in
-        the trainer's progress bar (``growtrain.callbacks.progress``): nothing when bars are off or
-        on ranks other than 0."""
+        Each phase (the probe's losses before, each trial's training and its scoring on the probe)
+        shows in the trainer's progress bar (``growtrain.callbacks.progress``): nothing when bars
+        are off or on ranks other than 0."""
+        # checked at the start of training too; the loader the trials train on may have been reloaded since
+        # (reload_dataloaders_every_n_epochs), and a probe sample trained on would be scored in-sample
+        check_probe_independent(trainer, probe)
         start = time.perf_counter()
         device = next(network.parameters()).device
         view = ProbeView(pl_module, network)
         sites = trial_candidates(report, self.sites)
-        steps, holdout_batches = self._steps_and_holdout(trainer)
+        steps = self._steps(trainer)
         sync = self._grad_sync(trainer)
         trials = []
         with progress_for(trainer) as step:
@@ -138,26 +129,20 @@ class BlockTrials:
             for k, site in enumerate(sites):
                 label = f"trial {site} ({k + 1}/{len(sites)})"
                 trials.append(self._one(trainer, pl_module, network, view, site, probe, probe_before, loss_fn,
-                                        device, steps, holdout_batches, sync, level / max(1, len(sites)), step,
-                                        label))  # fmt: skip
+                                        device, steps, sync, level / max(1, len(sites)), step, label))  # fmt: skip
         verdict = trial_verdict(trials, self.min_gain, chance=self._chance(trainer, probe, probe_before, loss_fn))
         if trainer.world_size > 1:  # one decision on every rank: rank 0's
             verdict, trials = trainer.strategy.broadcast((verdict, trials), src=0)
         self.seconds += time.perf_counter() - start
         return verdict, trials
 
-    def _one(self, trainer, pl_module, network, view, site, probe, probe_before, loss_fn, device, steps,
-             holdout_batches, sync, level, step: Steps, label: str) -> dict:  # fmt: skip
+    def _one(self, trainer, pl_module, network, view, site, probe, probe_before, loss_fn, device, steps, sync,
+             level, step: Steps, label: str) -> dict:  # fmt: skip
         seed = self.seed * 100003 + self.trials
         self.trials += 1
-        held: list = []
-        batches = self._train_batches(trainer, pl_module, held)
-        for i in range(holdout_batches):  # the trial never trains on these
-            held.append(next(batches))
-            step(i + 1, holdout_batches, f"{label}: hold out")
-        held_before = self._losses(view, held, loss_fn, device, step, f"{label}: held-out losses")
         log_len = len(network.growth_log)
         block = network.grow(site, network.new_block(site, seed=seed))
+        batches = self._train_batches(trainer)
         # FSDP2: the trial block is sharded like its neighbours (its own unit, the neighbours' mixed-precision
         # policy), so FSDP gathers it and reduce-scatters its gradients; it is taken out again below
         try:
@@ -173,24 +158,12 @@ class BlockTrials:
                 return {"site": site, "diverged": True, "steps": fit["steps"]}
             scored = Converted(counted(probe, step, f"{label}: score on the probe"), trainer)
             probe_after = per_sample_losses(view, scored, loss_fn, device)
-            held_after = self._losses(view, held, loss_fn, device, step, f"{label}: score held-out")
         finally:
+            batches.close()  # ends the training loader's iterator now (its workers), not at garbage collection
             network.undo_growth([block], log_len)  # bit-for-bit the network before the trial
             fsdp.reinit_root(pl_module)  # FSDP2: the root forgets the trial block's unit (a no-op otherwise)
-        before = torch.cat([probe_before, held_before])
-        after = torch.cat([probe_after, held_after])
-        test = trial_test(before, after, min_gain=self.min_gain, level=level, seed=seed)
-        # the probe's part alone, reported beside the pooled test (a mean: no second bootstrap)
-        probe_gain = float((probe_before - probe_after).mean() / probe_before.mean())
-        return {"site": site, "diverged": False, "steps": fit["steps"], "n_probe": probe_before.numel(),
-                "n_holdout": held_before.numel(), "probe_gain_frac": probe_gain, **test}  # fmt: skip
-
-    @staticmethod
-    def _losses(view, held: list, loss_fn, device, step: Steps, what: str) -> torch.Tensor:
-        """Per-sample losses of the held-back batches (none: an empty tensor), shown as ``what``."""
-        if not held:
-            return torch.zeros(0, dtype=torch.float64)
-        return per_sample_losses(view, counted(held, step, what), loss_fn, device)
+        test = trial_test(probe_before, probe_after, min_gain=self.min_gain, level=level, seed=seed)
+        return {"site": site, "diverged": False, "steps": fit["steps"], "n_probe": probe_before.numel(), **test}
 
     @staticmethod
     def _chance(trainer: Trainer, probe: Any, losses: torch.Tensor, loss_fn: Any) -> str | None:
