@@ -24,8 +24,9 @@ decision study").
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -45,6 +46,10 @@ TRIAL_SITES = 3
 # A trial trains at least this many steps, however small the epoch (half an epoch of 2000 images
 # is 8 steps: too few for a block to show its worth).
 MIN_TRIAL_STEPS = 100
+# Steps between two reads of the trial's losses on the host: a read is a device sync (and a
+# collective under DDP), so not one per step; a diverged trial is found within this many steps
+# (its block is thrown away either way).
+CHECK_EVERY = 16
 
 
 def _cosine(step: int, steps: int) -> float:
@@ -63,6 +68,8 @@ def train_block(
     sync_grads: Callable[[Sequence[torch.Tensor]], None] | None = None,
     any_rank: Callable[[bool], bool] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    context: Callable[[], ContextManager] | None = None,
+    loss_scale: bool = False,
 ) -> dict:
     """Train ``block`` (already inserted in ``module``) alone for ``steps`` batches.
 
@@ -73,8 +80,12 @@ def train_block(
     the same block; ``any_rank(flag)`` tells whether any process saw a non-finite loss, so every
     rank stops at the same step. ``progress(done, steps)`` is told after every optimizer step (the
     callback's progress bar: a trial is seconds of training after the epoch's bar has finished).
-    Returns ``steps`` done, ``diverged`` (a non-finite loss or parameter: the
-    trial is then a failed trial), and the first and last batch losses."""
+    ``context()``: the trainer's precision context (``precision_plugin.forward_context``), entered
+    around each forward and loss, as a training step's; ``loss_scale``: scale the loss for the
+    backward (``16-mixed``: fp16 gradients underflow without it). The losses are read on the host
+    once every ``CHECK_EVERY`` steps, not per step (no host sync per step); a non-finite loss ends
+    the trial at the next read. Returns ``steps`` done, ``diverged`` (a non-finite loss or
+    parameter: the trial is then a failed trial), and the first and last batch losses."""
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps: expected an integer >= 1 (optimizer steps of the trial), got {steps!r}")
     params = [p for p in block.parameters()]
@@ -85,33 +96,49 @@ def train_block(
     # parameters it computes with), so the training step's gradients are untouched: tests/test_fsdp.py checks it
     grads = [(p, p.grad) for p in params]
     done, diverged, first, last = 0, False, None, None
+    pending: list[torch.Tensor] = []  # the losses since the last read, on the device
+
+    def read() -> bool:  # one host sync (and one collective under DDP) per CHECK_EVERY steps
+        nonlocal first, last, pending
+        if not pending:
+            return False
+        values = torch.stack(pending).float().cpu()
+        pending = []
+        first = float(values[0]) if first is None else first
+        last = float(values[-1])
+        bad = not bool(torch.isfinite(values).all())
+        return any_rank(bad) if any_rank is not None else bad
+
     try:
         for p, _ in flags:
             p.requires_grad_(id(p) in ids)
         module.eval()
         block.train()
+        device = params[0].device if params else torch.device("cpu")
         optimizer = torch.optim.Adam(params, lr=lr)
+        scaler = torch.amp.GradScaler(device.type, enabled=loss_scale)
         for x, y in batches:
             if done >= steps:
                 break
             for group in optimizer.param_groups:
                 group["lr"] = lr * _cosine(done, steps)
-            loss = loss_fn(forward(x), y)
-            value = float(loss.detach())
-            bad = not math.isfinite(value)
-            if any_rank(bad) if any_rank is not None else bad:
-                diverged = True
-                break
-            first = value if first is None else first
-            last = value
+            with context() if context is not None else contextlib.nullcontext():
+                loss = loss_fn(forward(x), y)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            scaler.scale(loss).backward()
             if sync_grads is not None:
                 sync_grads([p.grad for p in params if p.grad is not None])
-            optimizer.step()
+            scaler.step(optimizer)  # a plain optimizer.step() unless loss_scale
+            scaler.update()
+            pending.append(loss.detach())
             done += 1
             if progress is not None:
                 progress(done, steps)
+            if done % CHECK_EVERY == 0 and read():
+                diverged = True
+                break
+        if not diverged and read():
+            diverged = True
         if not diverged:  # a sharded (FSDP2) block: each rank checks its own shard, and any rank's failure counts
             local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
             bad = not all(bool(torch.isfinite(t.detach()).all()) for t in local)

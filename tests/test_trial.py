@@ -17,7 +17,7 @@ from growtrain.callbacks.trial_check import trial_candidates
 from growtrain.data import ImageDataModule
 from growtrain.module import ImageClassifier
 from growtrain.models import cifar_resnet
-from growtrain.trial import train_block, trial_test, trial_verdict
+from growtrain.trial import CHECK_EVERY, train_block, trial_test, trial_verdict
 
 
 def tiny_dm(**kw) -> ImageDataModule:
@@ -79,9 +79,70 @@ def test_a_diverging_trial_is_a_failed_trial_not_a_crash():
 
     calls: list = []
     block = net.grow("layer2.1", net.new_block("layer2.1", seed=1))
-    fit = train_block(net, net, block, iter(batches()), bad_loss, steps=10)
-    assert fit["diverged"] and fit["steps"] == 2
+    fit = train_block(net, net, block, iter(batches(40)), bad_loss, steps=40)
+    assert fit["diverged"] and fit["steps"] == CHECK_EVERY  # found at the first read of the losses, not at the end
     assert all(p.requires_grad for p in net.parameters())
+
+
+def test_a_trial_reads_its_losses_on_the_host_once_per_check_every_steps_not_per_step(monkeypatch):
+    """No host sync per step: the losses are copied to the host in one piece every CHECK_EVERY
+    steps (and once at the end), and the first and last batch losses are still the right ones."""
+    torch.manual_seed(0)
+    net = cifar_resnet((1, 1, 1), 4, "basic", 3, 4)
+    block = net.grow("layer2.1", net.new_block("layer2.1", seed=1))
+    seen: list[float] = []
+
+    def loss(out, y):
+        value = F.cross_entropy(out, y)
+        with torch.no_grad():
+            seen.append(float(value))  # the test's own read, before the counter is on
+        return value
+
+    copies = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copies.append(t.shape) or real_cpu(t, *a, **k))
+    fit = train_block(net, net, block, iter(batches(40)), loss, steps=40)
+    monkeypatch.undo()
+    assert fit["steps"] == 40 and not fit["diverged"]
+    assert len(copies) == math.ceil(40 / CHECK_EVERY) <= 40 // 8  # 16 + 16 + 8: three reads for 40 steps, not 40
+    assert fit["loss_first"] == pytest.approx(seen[0]) and fit["loss_last"] == pytest.approx(seen[-1])
+
+
+def test_a_trial_trains_and_scores_under_the_trainers_precision(tmp_path):
+    """precision="bf16-mixed": the trial block's forward runs under autocast while it trains and
+    while the probe is scored, as a training step's does (a block trained in float32 and scored
+    in float32 would be measured in another precision than the run)."""
+    from growtrain.callbacks import trial_check
+
+    states = []
+    real = trial_check.BlockTrials._one
+
+    def one(self, trainer, pl_module, network, view, site, *a, **k):
+        original = network.grow
+
+        def grow(site_, block):
+            block.register_forward_pre_hook(lambda m, args: states.append(torch.is_autocast_enabled("cpu")))
+            return original(site_, block)
+
+        network.grow = grow
+        try:
+            return real(self, trainer, pl_module, network, view, site, *a, **k)
+        finally:
+            del network.grow
+
+    trial_check.BlockTrials._one = one
+    try:
+        L.seed_everything(0)
+        grow = GrowUntilSaturated(monitor=None, decision="trial", min_gain=0.01, trial_epochs=0.5, max_growths=1,
+                                  verbose=False)  # fmt: skip
+        trainer = L.Trainer(max_epochs=1, precision="bf16-mixed", callbacks=[grow], logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                            limit_val_batches=0, default_root_dir=tmp_path)  # fmt: skip
+        trainer.fit(ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3), tiny_dm())
+    finally:
+        trial_check.BlockTrials._one = real
+    assert grow.history and grow.history[0]["trial"]["trials"]
+    assert len(states) > 100 and all(states)  # every forward of every trial block: training and scoring
 
 
 def test_trial_test_matches_an_independent_computation():

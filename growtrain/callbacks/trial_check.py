@@ -124,8 +124,9 @@ class BlockTrials:
         sync = self._grad_sync(trainer)
         trials = []
         with progress_for(trainer) as step:
-            probe_before = per_sample_losses(view, Converted(counted(probe, step, "trials: probe losses"), trainer),
-                                             loss_fn, device)  # fmt: skip
+            with trainer.precision_plugin.forward_context():  # scored in the precision the run trains in
+                probe_before = per_sample_losses(view, Converted(counted(probe, step, "trials: probe losses"),
+                                                                 trainer), loss_fn, device)  # fmt: skip
             for k, site in enumerate(sites):
                 label = f"trial {site} ({k + 1}/{len(sites)})"
                 trials.append(self._one(trainer, pl_module, network, view, site, probe, probe_before, loss_fn,
@@ -151,13 +152,16 @@ class BlockTrials:
                 fsdp.reshard_all(pl_module)  # the trial's Adam takes the block's sharded DTensor parameters
             train = f"{label}: train block"
             fit = train_block(view, pl_module, block, batches, loss_fn, steps=steps, lr=self.lr,
+                              context=trainer.precision_plugin.forward_context,  # as a training step's forward
+                              loss_scale=str(trainer.precision).startswith("16"),
                               sync_grads=None if sharded else sync,  # FSDP2 already averaged them
                               any_rank=self._any_rank(trainer),
                               progress=lambda done, total: step(done, total, train))  # fmt: skip
             if fit["diverged"]:
                 return {"site": site, "diverged": True, "steps": fit["steps"]}
             scored = Converted(counted(probe, step, f"{label}: score on the probe"), trainer)
-            probe_after = per_sample_losses(view, scored, loss_fn, device)
+            with trainer.precision_plugin.forward_context():
+                probe_after = per_sample_losses(view, scored, loss_fn, device)
         finally:
             batches.close()  # ends the training loader's iterator now (its workers), not at garbage collection
             network.undo_growth([block], log_len)  # bit-for-bit the network before the trial
