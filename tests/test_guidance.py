@@ -111,7 +111,8 @@ def test_default_monitor_uses_the_loss_training_step_returns(tmp_path, caplog):
     # min_rel_delta=0.9: an epoch that does not cut the loss by 90 % is no improvement, so a plateau
     # after patience=1 epoch; the check needs the monitor's value at every epoch end.
     grow = GrowUntilSaturated(probe=probe, network="trunk", loss_fn=F.cross_entropy, patience=1, min_rel_delta=0.9,
-                              min_stage_epochs=1, max_growths=1, min_gain=None, verbose=False)  # fmt: skip
+                              min_stage_epochs=1, max_growths=1, min_gain=None, lr_schedule="continue",
+                              verbose=False)  # fmt: skip
     with caplog.at_level("INFO", logger="lightning.pytorch"):  # other tests raise that logger's level
         _trainer(tmp_path, [grow], max_epochs=3).fit(module, train)
     assert len(grow.history) >= 1 and grow.history[0]["epoch"] == 1

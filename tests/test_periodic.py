@@ -529,3 +529,39 @@ def test_the_steps_of_an_epoch_are_the_optimizer_steps_lightning_takes(tmp_path)
     trainer.fit(ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3), dm)
     assert trainer.num_training_batches == 7
     assert steps_per_epoch(trainer) == trainer.global_step == 4
+
+
+def test_the_bare_converged_default_anneals_each_stage_before_its_check(tmp_path):
+    """lr_schedule=None (the default) under the converged schedule with a monitor: the stage is
+    cosine-annealed once its monitor plateaus, and the check sees the annealed network (a trial
+    block trained with its own anneal is not credited with the network's). With the module's own
+    scheduler it stays "continue" and says so; fixed-interval checks keep the rate as it is."""
+    L.seed_everything(0)
+    # min_rel_delta=0.9: no epoch improves by 90 %, so a plateau after patience=1 (at epoch 1's end)
+    grow = GrowUntilSaturated(patience=1, min_rel_delta=0.9, min_stage_epochs=1, anneal_epochs=3, min_gain=None,
+                              max_growths=1, verbose=False)  # fmt: skip
+    assert grow.lr_schedule is None  # resolved when training starts, against the module's optimizer
+    lr = LrLog()
+    trainer = L.Trainer(max_epochs=6, callbacks=[grow, lr], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                        default_root_dir=tmp_path)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1))  # fmt: skip
+    trainer.fit(model, tiny_dm())
+    assert grow.lr_schedule == "anneal"
+    cosine = [0.1 * 0.5 * (1 + math.cos(math.pi * (k + 1) / 4)) for k in range(3)]
+    assert lr.lrs[:2] == [0.1, 0.1] and lr.lrs[2:5] == pytest.approx(cosine)  # plateau at epoch 1, then the anneal
+    assert grow.history and grow.history[0]["epoch"] == 4  # checked after the anneal's last epoch
+
+    assert GrowUntilSaturated(schedule="periodic").lr_schedule == "continue"
+    assert GrowUntilSaturated(monitor=None).lr_schedule == "continue"
+    with_scheduler = GrowUntilSaturated(verbose=False, min_gain=None, max_growths=0)
+    trainer = L.Trainer(max_epochs=1, callbacks=[with_scheduler], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                        default_root_dir=tmp_path)  # fmt: skip
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3,
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                            lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 5))  # fmt: skip
+    with pytest.warns(UserWarning, match=r"lr_schedule: the network's optimizer has a scheduler \(StepLR\).*Fix:"):
+        trainer.fit(model, tiny_dm())
+    assert with_scheduler.lr_schedule == "continue"

@@ -114,6 +114,9 @@ class GrowUntilSaturated(Callback):
         anneal_epochs: the final anneal's length (and a converged stage's).
         lr_schedule: after a growth the schedulers ``"continue"`` or ``"restart"``; ``"anneal"``:
             the callback drives the rate (constant per stage, annealed before each check).
+            ``None`` (default): ``"anneal"`` under the converged schedule with a monitor, unless the
+            network's optimizer has a scheduler (then ``"continue"``, with a warning); ``"continue"``
+            with fixed-interval checks (``schedule="periodic"`` or ``monitor=None``).
         seed: candidate blocks of check ``k`` come from ``seed·1000 + k``; trial blocks from
             ``seed·100003 + k`` for the ``k``-th trial.
         verbose: one table per check and a summary at the end of the fit (rank 0).
@@ -149,7 +152,7 @@ class GrowUntilSaturated(Callback):
         max_params: int | None = None,
         on_saturated: Literal["stop", "continue", "anneal"] = "stop",
         anneal_epochs: int = 10,
-        lr_schedule: Literal["continue", "restart", "anneal"] = "continue",
+        lr_schedule: Literal["continue", "restart", "anneal"] | None = None,
         seed: int = 0,
         verbose: bool = True,
     ):
@@ -284,6 +287,8 @@ class GrowUntilSaturated(Callback):
         telemetry.publish(trainer, {"growth/depth": self._depth(self._network)})
         # a callback reused in a new fit (its step count starts again at 0) counts from the new start
         self._schedule.last_check_step = min(self._schedule.last_check_step, int(trainer.global_step))
+        if self.lr_schedule is None:  # the default under a converged (plateau) schedule
+            self._resolve_lr_schedule(trainer)
         if self.lr_schedule == "anneal" and (self.finished is None or self._anneal.active):
             refuse_scheduler(trainer, editor.optimizer_for(trainer, self._network))
         why = self._schedule.no_room(trainer, self.finished)
@@ -292,6 +297,26 @@ class GrowUntilSaturated(Callback):
         check_probe_setup(trainer, pl_module, self._network, self._probe_loader(trainer, shard=False), self._loss,
                           defaulted=self.loss_fn is None and not callable(getattr(pl_module, "probe_loss", None)))
         probe_check.check_probe_independent(trainer, self._probe_loader(trainer))
+
+    def _resolve_lr_schedule(self, trainer: Trainer) -> None:
+        """``lr_schedule=None`` under the converged schedule: ``"anneal"`` — each stage, once its
+        monitor has plateaued, is cosine-annealed before the check, so a trial block (itself trained
+        with a cosine to zero) is not credited with what annealing the network alone would give —
+        unless the network's optimizer has a scheduler of its own, which would fight it: then
+        ``"continue"``, said once."""
+        optimizer = editor.optimizer_for(trainer, self._network)
+        schedulers = [type(c.scheduler).__name__ for c in trainer.strategy.lr_scheduler_configs
+                      if optimizer is not None and c.scheduler.optimizer is optimizer]  # fmt: skip
+        resolved = "continue" if schedulers else "anneal"
+        if schedulers:
+            rank_zero_warn(
+                f"GrowUntilSaturated: lr_schedule: the network's optimizer has a scheduler ({', '.join(schedulers)}), so "
+                "the default lr_schedule is 'continue': each check runs at the rate your schedule has then, not on an "
+                "annealed stage, and a trial block trained with its own anneal may be credited with what annealing "
+                "gives. Fix: return no lr_scheduler from configure_optimizers (lr_schedule='anneal' then anneals each "
+                "stage before its check), or pass lr_schedule='continue' to keep your schedule.", category=UserWarning)
+        self.lr_schedule = resolved
+        self._schedule.lr_schedule = resolved
 
     @staticmethod
     def _builds_late(pl_module: LightningModule) -> bool:

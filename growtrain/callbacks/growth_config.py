@@ -91,7 +91,7 @@ class GrowthConfig:
     max_params: int | None = None
     on_saturated: Literal["stop", "continue", "anneal"] = "stop"
     anneal_epochs: int = 10
-    lr_schedule: Literal["continue", "restart", "anneal"] = "continue"
+    lr_schedule: Literal["continue", "restart", "anneal"] | None = None
     seed: int = 0
     verbose: bool = True
 
@@ -157,7 +157,14 @@ class GrowthConfig:
         _int("max_params", self.max_params, 1, optional=True)
         _choice("on_saturated", self.on_saturated, ON_SATURATED)
         _int("anneal_epochs", self.anneal_epochs, 1)
-        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        if self.lr_schedule is None and (periodic or self.monitor is None):
+            # checks at a fixed interval (the periodic schedule, or no monitor): the rate goes on as it is
+            object.__setattr__(self, "lr_schedule", "continue")
+        # else None stays until the fit starts: "anneal" (a converged stage is annealed before its check,
+        # so what a check measures is not what annealing alone gives), or "continue" when the network's
+        # optimizer has a scheduler of its own (GrowUntilSaturated.on_train_start says so)
+        if self.lr_schedule is not None:
+            _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         if not isinstance(self.verbose, bool):
             raise _bad("verbose", "True or False", self.verbose, "pass verbose=True")
         _int("seed", self.seed, 0)
