@@ -54,10 +54,22 @@ def batch_size(batch_or_target: Any) -> int:
 def sample_loss_terms(output: Any, target: Any, loss_fn: Any) -> torch.Tensor:
     """Each sample's term of the batch-mean loss ``loss_fn(output, target)``, as float64 (B,):
     ``loss_fn`` on one sample's slice of the output and target (for a language model: that
-    sequence's token mean)."""
+    sequence's token mean).
+
+    One batched call: ``torch.func.vmap`` maps ``loss_fn`` over the samples (each a batch of
+    one), so a batch costs one call of the loss, not B. A loss vmap cannot batch (a host read such
+    as ``.item()``, data-dependent control flow, outputs that are not one tensor) is called once
+    per sample instead: the same terms, slower."""
+    n = batch_size(target)
     with torch.no_grad():
-        terms = [loss_fn(slice_batch(output, i, i + 1), slice_batch(target, i, i + 1)).double()
-                 for i in range(batch_size(target))]  # fmt: skip
+        if n and isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor):
+            try:
+                terms = torch.func.vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(output, target)
+            except (RuntimeError, ValueError, TypeError, NotImplementedError):
+                terms = None  # not batchable by vmap: one call per sample below
+            if isinstance(terms, torch.Tensor) and terms.shape == (n,):
+                return terms.double()
+        terms = [loss_fn(slice_batch(output, i, i + 1), slice_batch(target, i, i + 1)).double() for i in range(n)]
     return torch.stack(terms) if terms else torch.zeros(0, dtype=torch.float64)
 
 

@@ -48,3 +48,40 @@ def test_slice_batch_cuts_every_tensor():
     x, y = torch.arange(12).reshape(6, 2), torch.arange(6)
     head = slice_batch((x, {"y": y, "tag": "t"}), 1, 3)
     assert torch.equal(head[0], x[1:3]) and torch.equal(head[1]["y"], y[1:3]) and head[1]["tag"] == "t"
+
+
+def test_each_samples_loss_term_in_one_batched_call_of_the_loss():
+    """sample_loss_terms maps the loss over the samples in one call (vmap), not B calls, and its
+    terms are each sample's own loss computed one at a time by hand; a language model's term is
+    its sequence's token mean."""
+    from growtrain.batches import sample_loss_terms
+    from growtrain.lm import token_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    out, y = torch.randn(9, 5, generator=g), torch.randint(0, 5, (9,), generator=g)
+    calls = []
+
+    def counted(o, t):
+        calls.append(1)
+        return F.cross_entropy(o, t)
+
+    terms = sample_loss_terms(out, y, counted)
+    assert len(calls) == 1 and terms.dtype == torch.float64
+    torch.testing.assert_close(terms, torch.stack([F.cross_entropy(out[i : i + 1], y[i : i + 1]) for i in range(9)]).double())
+    logits, tokens = torch.randn(3, 6, 7, generator=g), torch.randint(0, 7, (3, 6), generator=g)
+    by_hand = torch.stack([F.cross_entropy(logits[i], tokens[i]) for i in range(3)]).double()
+    torch.testing.assert_close(sample_loss_terms(logits, tokens, token_cross_entropy), by_hand)
+
+
+def test_a_loss_vmap_cannot_batch_is_called_per_sample_with_the_same_terms():
+    from growtrain.batches import sample_loss_terms
+
+    g = torch.Generator().manual_seed(1)
+    out, y = torch.randn(6, 4, generator=g), torch.randint(0, 4, (6,), generator=g)
+
+    def reads_the_host(o, t):  # .item() inside: vmap refuses it
+        scale = 2.0 if float(o.abs().max().item()) > 0 else 1.0
+        return scale * F.cross_entropy(o, t)
+
+    terms = sample_loss_terms(out, y, reads_the_host)
+    torch.testing.assert_close(terms, 2.0 * F.cross_entropy(out, y, reduction="none").double())
