@@ -95,6 +95,11 @@ class AfterCheck(L.Callback):
 def fit(out: str, epochs: int, same_buffers: bool, trial_gain: float | None = None, periodic: bool = False,
         fork: bool = False) -> None:  # fmt: skip
     os.makedirs(out, exist_ok=True)
+    from growtrain.callbacks import probe_data
+
+    scored: list[int] = []  # the samples each per-sample scoring pass of this rank read (extra passes, forks)
+    real_losses = probe_data.per_sample_losses
+    probe_data.per_sample_losses = lambda *a, **k: (lambda out: scored.append(out.numel()) or out)(real_losses(*a, **k))
     L.seed_everything(0)
     data = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=400, synthetic_classes=4,
                            probe_size=91, val_size=10, batch_size=32, augment=False)  # fmt: skip
@@ -118,6 +123,7 @@ def fit(out: str, epochs: int, same_buffers: bool, trial_gain: float | None = No
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, default_root_dir=out)  # fmt: skip
     trainer.fit(module, data)
+    probe_data.per_sample_losses = real_losses
 
     rank = trainer.global_rank
     shard = grow._probe_loader(trainer)
@@ -131,6 +137,7 @@ def fit(out: str, epochs: int, same_buffers: bool, trial_gain: float | None = No
         "probe_shard": [int(i) for i in shard.sampler],
         "probe_batch_size": shard.batch_size,
         "checksum": checksum(module.named_parameters()),
+        "scored_per_pass": scored,
         **snapshot.info,
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

@@ -102,6 +102,8 @@ def test_the_fork_trains_one_arm_on_every_rank_and_adopts_it_alike(ddp_runs):
     assert [h.get("fork") for h in r0["history"]] == [h.get("fork") for h in r1["history"]]
     assert r0["growth_log"] == r1["growth_log"] and len(r0["growth_log"]) == 2
     assert r0["checksum"] == r1["checksum"]
+    # the fork's two sides were scored shard by shard (46 / 45 samples a rank), then gathered
+    assert r0["scored_per_pass"] and set(r0["scored_per_pass"]) == {46} and set(r1["scored_per_pass"]) == {45}
 
 
 def test_the_periodic_window_rule_decides_alike_on_every_rank_from_the_whole_probe(ddp_runs):
@@ -114,6 +116,8 @@ def test_the_periodic_window_rule_decides_alike_on_every_rank_from_the_whole_pro
     assert r0["history"][0]["action"] == "wait" and r0["growth_log"] == r1["growth_log"] != []
     assert [h.get("window") for h in r0["history"]] == [h.get("window") for h in r1["history"]]
     assert r0["window_entries"] == r1["window_entries"] and all(len(e["losses"]) == 91 for e in r0["window_entries"])
+    # each rank scored only its shard (46 / 45 of the 91 samples) in every extra pass; the shards were gathered
+    assert r0["scored_per_pass"] and set(r0["scored_per_pass"]) == {46} and set(r1["scored_per_pass"]) == {45}
     last = [h for h in r0["history"] if (h.get("window") or {}).get("reference_epoch") is not None][-1]["window"]
     kept = {e["epoch"]: torch.tensor(e["losses"], dtype=torch.float64) for e in r0["window_entries"]}
     before, after = kept[last["reference_epoch"]], kept[last["epoch"]]

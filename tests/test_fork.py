@@ -307,8 +307,10 @@ def test_the_verdict_compares_the_run_and_the_arm_each_annealed_to_zero_on_the_r
     from theirs to zero on the batches the run trained on next, are the two networks the verdict
     scored (the run first, then the arm); and the scored losses are those networks' losses."""
     began, scored, judged = {}, [], {}
+    from growtrain.callbacks import probe_data
+
     real_start, real_judge, real_losses = (fork_check.PairedFork._start_cool, fork_check.PairedFork.judge,
-                                           fork_check.per_sample_losses)  # fmt: skip
+                                           probe_data.per_sample_losses)  # fmt: skip
     record = Recorder()
 
     def spy_start(self, network):
@@ -330,7 +332,7 @@ def test_the_verdict_compares_the_run_and_the_arm_each_annealed_to_zero_on_the_r
 
     monkeypatch.setattr(fork_check.PairedFork, "_start_cool", spy_start)
     monkeypatch.setattr(fork_check.PairedFork, "judge", spy_judge)
-    monkeypatch.setattr(fork_check, "per_sample_losses", spy_losses)
+    monkeypatch.setattr(probe_data, "per_sample_losses", spy_losses)  # what the fork's scoring calls
     grow = fork_cb(min_gain=10.0)
     fit(tmp_path, [grow, record], max_epochs=4)
     steps = judged["steps"]

@@ -44,7 +44,7 @@ from torch import nn
 
 from growtrain.callbacks.editor import optimizer_for
 from growtrain.callbacks.probe_check import forked_rng
-from growtrain.callbacks.probe_data import Converted, ProbeView, per_sample_losses
+from growtrain.callbacks.probe_data import ProbeView, probe_sample_losses
 from growtrain.callbacks.trial_check import trial_candidates
 from growtrain.fork import adopt, copy_optimizer, fork_test, fork_verdict, make_arm, mirror_lrs, warmup
 from growtrain.reconfigure import add_param_groups, new_param_groups
@@ -232,8 +232,8 @@ class PairedFork:
     def cool_length(horizon_steps: int | None) -> int | None:
         """Steps the cooled copies anneal over: ``COOL_FRACTION`` of the horizon, at least one
         (``None``: the horizon is unknown or too short to cool, and the check scores the run and
-        the arm as they are). With ``every_n_train_steps`` the check comes at the first epoch end
-        after the horizon: the cooled copies, annealed by then, wait for it (both sides alike)."""
+        the arm as they are). With ``min_steps_between_checks`` the check comes at the first epoch
+        end after the horizon: the cooled copies, annealed by then, wait for it (both sides alike)."""
         if not horizon_steps or horizon_steps < 2:
             return None
         return max(1, round(COOL_FRACTION * horizon_steps))
@@ -323,10 +323,9 @@ class PairedFork:
             self.cool[1][0] if self.cool is not None else self.arm)
         device = next(network.parameters()).device
         out = []
-        with trainer.precision_plugin.forward_context():
-            for module in (control, arm):
-                with swapped(pl_module, network, module):
-                    out.append(per_sample_losses(ProbeView(pl_module, module), Converted(probe, trainer), loss_fn, device))
+        for module in (control, arm):  # under DDP each rank scores its shard; the shards are all-gathered
+            with swapped(pl_module, network, module):
+                out.append(probe_sample_losses(trainer, ProbeView(pl_module, module), probe, loss_fn, device)[0])
         return out[0], out[1]
 
     # -- a check ----------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, Subset
 
 __all__ = ["probe_overlap", "refuse_random_probe", "ShardSampler", "shard_loader", "loaders_of", "datasets_of", "ProbeView",
-           "first_input", "eval_output", "check_split_indices", "has_forward", "check_probe_setup"]
+           "first_input", "eval_output", "check_split_indices", "has_forward", "check_probe_setup", "probe_sample_losses"]
 
 
 def _base_and_indices(ds: Any) -> tuple[Any, set[int] | None]:
@@ -244,6 +244,45 @@ class Fingerprinted:
             parts.append(sample_signatures(batch))  # on the batch's device: no host copy per batch
             yield batch
         self.signatures = torch.cat(parts).cpu() if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def probe_sample_losses(trainer: Any, view: "ProbeView", probe: Any, loss_fn: Any, device: torch.device, *,
+                        fingerprints: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """Every probe sample's loss (float64, on the host, in the probe's order) and, with
+    ``fingerprints``, their fingerprints — the same tensors on every rank, computed under the
+    trainer's precision as a training step's forward is.
+
+    Under DDP each rank scores only its shard (``ShardSampler``: positions ``r, r+w, ...``) and the
+    shards are all-gathered and put back in order: a rank does 1/w of the work and no rank's result
+    is thrown away. Under FSDP2 (``ModelParallelStrategy``) a forward is a collective that every rank
+    runs on the same batches, so every rank scores the whole probe; so does one process."""
+    from growtrain.callbacks.sharded import is_model_parallel
+
+    world = int(getattr(trainer, "world_size", 1))
+    sharded = world > 1 and not is_model_parallel(trainer.strategy)
+    loader = shard_loader(probe, trainer.global_rank, world) if sharded else probe
+    source = Fingerprinted(loader) if fingerprints else loader
+    with trainer.precision_plugin.forward_context():
+        losses = per_sample_losses(view, Converted(source, trainer), loss_fn, device)
+    signatures = source.signatures if fingerprints else None
+    if not sharded:
+        losses, signatures = losses.double().cpu(), None if signatures is None else signatures.double().cpu()
+        if world > 1:  # FSDP2: rank 0's vector on every rank, one decision even if a kernel is not bit-reproducible
+            losses, signatures = trainer.strategy.broadcast((losses, signatures), src=0)
+        return losses, signatures
+    n = len(probe.dataset)
+    per_rank = -(-n // world)  # the longest shard; shorter ones are padded for the all-gather
+
+    def gather(local: torch.Tensor) -> torch.Tensor:
+        padded = torch.full((per_rank,), float("nan"), dtype=torch.float64, device=device)
+        padded[: local.numel()] = local.to(device=device, dtype=torch.float64)
+        rows = trainer.strategy.all_gather(padded).reshape(world, per_rank).cpu()
+        full = torch.empty(n, dtype=torch.float64)
+        for r in range(world):
+            full[r::world] = rows[r, : len(range(r, n, world))]
+        return full
+
+    return gather(losses), None if signatures is None else gather(signatures)
 
 
 def random_order(loader: Any) -> str | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from growtrain.callbacks.probe_data import Converted, Fingerprinted, ProbeView, per_sample_losses
+from growtrain.callbacks.probe_data import Fingerprinted, ProbeView, probe_sample_losses
 from growtrain.decision import Verdict
 from growtrain.gain import signature_mismatch
 from growtrain.saturation_report import best_scored_site
@@ -29,26 +29,19 @@ def probe_losses(trainer: Any, pl_module: Any, network: Any, probe: Any, loss_fn
     an extra pass took (0 without one).
 
     On one process they come from the probe pass's own forward (``pass_losses``, ``pass_probe``:
-    the ghosts output zero). Under DDP every rank scores the whole probe (``probe``, not its shard)
-    in one extra forward pass and takes rank 0's vector, so the stored losses and the decision are
-    the same on every rank and after a resume."""
+    the ghosts output zero). Under DDP each rank scores its shard of ``probe`` (the whole probe
+    loader) in one extra forward pass and the shards are all-gathered in the probe's order
+    (``probe_sample_losses``; under FSDP2 every rank scores the whole probe and takes rank 0's), so
+    the stored losses and the decision are the same on every rank and after a resume."""
     seconds = 0.0
     if pass_losses and pass_probe is not None:  # one process: the pass's own forward
         losses = torch.cat(pass_losses).cpu()  # one device-to-host copy per check
         signatures = pass_probe.signatures
-    else:
+    else:  # DDP: each rank scores its shard, all-gathered (FSDP2: the whole probe, a collective forward)
         start = time.perf_counter()
         device = next(network.parameters()).device
-        fingerprinted = Fingerprinted(probe)
-        # under the trainer's precision, as the one-process path's probe pass (autocast to the same dtype):
-        # the kept losses of a window come from one precision whatever the world size
-        with trainer.precision_plugin.forward_context():
-            losses = per_sample_losses(ProbeView(pl_module, network), Converted(fingerprinted, trainer), loss_fn,
-                                       device)  # fmt: skip
-        signatures = fingerprinted.signatures
-        if trainer.world_size > 1:  # one decision on every rank, even if a GPU kernel is not bit-reproducible
-            losses = trainer.strategy.broadcast(losses, src=0)
-            signatures = trainer.strategy.broadcast(signatures, src=0)
+        losses, signatures = probe_sample_losses(trainer, ProbeView(pl_module, network), probe, loss_fn, device,
+                                                 fingerprints=True)  # fmt: skip
         seconds = time.perf_counter() - start
     if signatures is None or signatures.numel() != losses.numel():
         raise RuntimeError(f"probe: {losses.numel()} per-sample losses but fingerprints of "
@@ -63,7 +56,7 @@ class WindowRule:
 
     def __init__(self, *, window: int, min_gain: float, seed: int = 0, unit: str = "epoch"):
         self.window, self.min_gain, self.seed = int(window), float(min_gain), int(seed)
-        self.unit = unit  # what `window` counts: "epoch", or "step" (optimizer steps: every_n_train_steps)
+        self.unit = unit  # what `window` counts: "epoch", or "step" (optimizer steps: min_steps_between_checks)
         # {"epoch", "step", "losses", "signature"}: lists of floats (plain, for the checkpoint)
         self.entries: list[dict] = []
         self.seconds = 0.0  # wall time of extra probe passes (under DDP), this process
@@ -87,7 +80,8 @@ class WindowRule:
         """The verdict at this check and the record's ``window`` entry; keeps today's losses.
         ``step``: the optimizer steps so far (what the window counts with ``unit="step"``)."""
         if self.unit == "step" and step is None:
-            raise ValueError("step: the window counts optimizer steps (every_n_train_steps); pass the check's step")
+            raise ValueError("step: the window counts optimizer steps (min_steps_between_checks); "
+                             "pass the check's step")
         now = epoch if self.unit == "epoch" else int(step)
         reference = window_reference(self.entries, now, self.window, self.unit)
         test = None
