@@ -191,14 +191,14 @@ def should_check(
     min_stage_epochs: int = 1,
     stage_epochs: int | None = None,
     steps_since_check: int | None = None,
-    every_n_train_steps: int | None = None,
+    min_steps_between_checks: int | None = None,
 ) -> tuple[bool, str]:
     """Whether this train-epoch end runs a probe check, and why (or why not).
 
     With ``monitor`` a check needs the metric to have plateaued *and* the current stage (epochs
     since the last growth, ``stage_epochs``) to be at least ``min_stage_epochs`` long; without it,
-    every ``every_n_epochs`` — or, with ``every_n_train_steps``, at the first epoch end at least
-    that many optimizer steps (``steps_since_check``) after the last check.
+    every ``every_n_epochs`` — or, with ``min_steps_between_checks``, at the first epoch end at
+    least that many optimizer steps (``steps_since_check``) after the last check.
     """
     if finished is not None:
         return False, f"growth has ended ({finished})"
@@ -209,11 +209,11 @@ def should_check(
         if not plateaued:
             return False, f"{monitor} is still improving"
         why = f"{monitor} has plateaued"
-    elif every_n_train_steps is not None:
+    elif min_steps_between_checks is not None:
         since = int(steps_since_check or 0)
-        if since < every_n_train_steps:
-            return False, f"next check after {every_n_train_steps - since} more optimizer step(s)"
-        why = f"every {every_n_train_steps} optimizer step(s) ({since} since the last check)"
+        if since < min_steps_between_checks:
+            return False, f"next check after {min_steps_between_checks - since} more optimizer step(s)"
+        why = f"every {min_steps_between_checks} optimizer step(s) ({since} since the last check)"
     elif epochs_since_check >= every_n_epochs:
         why = f"every {every_n_epochs} epoch(s)"
     else:

@@ -4,7 +4,7 @@ Under ``schedule="periodic"`` the network grows every ``every_n_epochs`` (K) at 
 constant rate, before it has converged (AutoGrow's protocol, docs/decision.md). What stops the
 growth is not one block's value but the run's: every check keeps the probe's per-sample losses,
 and the verdict pairs them, sample by sample, with those of the latest check at least ``window``
-(J ≫ K) epochs earlier (optimizer steps, with ``every_n_train_steps``: the same window on
+(J ≫ K) epochs earlier (optimizer steps, with ``min_steps_between_checks``: the same window on
 a quarter of the data then spans four times the epochs). Growth goes on while the held-out probe loss fell over that window by a
 certified (one-sided bootstrap-t lower bound at level α) more than ``min_gain`` of it; otherwise
 it ends: "certified saturation" (``Verdict.certified``) only when the upper bound is below

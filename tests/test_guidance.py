@@ -80,7 +80,7 @@ def test_no_check_message_without_a_monitor_names_every_n_epochs():
     assert "a smaller every_n_epochs" in text
 
 
-@pytest.mark.parametrize("interval", [{"every_n_epochs": 5}, {"every_n_train_steps": 1000, "window": 3000}])
+@pytest.mark.parametrize("interval", [{"every_n_epochs": 5}, {"min_steps_between_checks": 1000, "window": 3000}])
 def test_a_periodic_fit_without_a_check_names_its_interval_not_a_monitor(tmp_path, interval):
     """The periodic schedule never consults the monitor: a fit too short for its first check says
     which interval was too long (in epochs, or in optimizer steps), with the fix."""
@@ -95,9 +95,9 @@ def test_a_periodic_fit_without_a_check_names_its_interval_not_a_monitor(tmp_pat
         assert "next check in 3 epoch(s)" in message and "a smaller every_n_epochs" in message
     else:
         steps = trainer.global_step
-        assert f"every_n_train_steps=1000 is more than the {steps} optimizer step(s) of this fit" in message
+        assert f"min_steps_between_checks=1000 is more than the {steps} optimizer step(s) of this fit" in message
         assert f"next check after {1000 - steps} more optimizer step(s)" in message
-        assert "a smaller every_n_train_steps" in message
+        assert "a smaller min_steps_between_checks" in message
 
 
 # -- the default monitor works on any LightningModule --------------------------------------------------
@@ -270,18 +270,18 @@ def test_the_stopping_experiments_scratch_rule_does_not_warn_about_every_n_epoch
 
 
 def test_the_stopping_experiments_rules_keep_a_step_interval():
-    """A growth callback counting optimizer steps (every_n_train_steps) is rebuilt for the seeded
+    """A growth callback counting optimizer steps (min_steps_between_checks) is rebuilt for the seeded
     growth rows and the scratch rows with its interval and window, not with every_n_epochs=1 beside it
     (which would be refused)."""
     from growtrain.experiments.stopping import _scratch_grower, _seeded_grower
 
-    grow = GrowUntilSaturated(schedule="periodic", every_n_train_steps=890, window=2670, on_saturated="anneal")
+    grow = GrowUntilSaturated(schedule="periodic", min_steps_between_checks=890, window=2670, on_saturated="anneal")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         seeded, scratch = _seeded_grower(grow, 2), _scratch_grower(grow)
     for rebuilt in (seeded, scratch):
-        assert (rebuilt.every_n_train_steps, rebuilt.window, rebuilt._window.unit) == (890, 2670, "step")
-        assert rebuilt._schedule.every_n_train_steps == 890
+        assert (rebuilt.min_steps_between_checks, rebuilt.window, rebuilt._window.unit) == (890, 2670, "step")
+        assert rebuilt._schedule.min_steps_between_checks == 890
     assert (seeded.seed, scratch.max_growths) == (2, 0)
 
 

@@ -1,5 +1,5 @@
 """The options of ``GrowUntilSaturated`` after the eighth session's removal (40 options cut to 25, then one added:
-``every_n_train_steps``; docs/results/history.md).
+``min_steps_between_checks``; docs/results/history.md).
 
 * an option removed before the first release is Python's own ``TypeError`` (no shim: 0.1.0 has no
   users to migrate), raised before any state is built;
@@ -61,7 +61,7 @@ def test_the_trial_constants_are_the_default_decisions():
 
 # -- what is left ------------------------------------------------------------------------------------
 def test_at_most_26_options_none_removed_and_the_callback_takes_exactly_them():
-    # 25 after the removal, + every_n_train_steps (ninth session: the check interval and window in
+    # 25 after the removal, + min_steps_between_checks (ninth session: the check interval and window in
     # optimizer steps, docs/callback.md says why)
     names = GrowthConfig.names()
     assert len(names) == len(set(names)) <= 26

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks.growth_config import GrowthConfig
 from growtrain.callbacks.window_check import WindowRule
 from growtrain.data import ImageDataModule
 from growtrain.module import ImageClassifier
@@ -321,12 +322,12 @@ def test_the_stopping_figure_draws_each_windows_certified_gain_against_min_gain(
     assert "window" in right.get_ylabel()
 
 
-# -- a check interval and window counted in optimizer steps (every_n_train_steps) -------------------
+# -- a check interval and window counted in optimizer steps (min_steps_between_checks) --------------
 def test_should_check_counts_optimizer_steps_when_asked():
     from growtrain.decision import should_check
 
     kw = dict(finished=None, epochs_since_check=1, every_n_epochs=1, monitor=None, plateaued=False,
-              every_n_train_steps=12)  # fmt: skip
+              min_steps_between_checks=12)  # fmt: skip
     assert should_check(**kw, steps_since_check=8) == (False, "next check after 4 more optimizer step(s)")
     due, why = should_check(**kw, steps_since_check=12)
     assert due and "every 12 optimizer step(s)" in why
@@ -351,9 +352,9 @@ def test_the_window_in_steps_pairs_the_check_that_many_optimizer_steps_back():
 
 
 @pytest.mark.parametrize("kw, arg", [
-    ({"schedule": "periodic", "every_n_epochs": 2, "every_n_train_steps": 100}, "every_n_train_steps"),
-    ({"schedule": "periodic", "every_n_train_steps": 100, "window": 6}, "window"),  # 6 steps < 100
-    ({"schedule": "periodic", "every_n_train_steps": 0, "window": 6}, "every_n_train_steps"),
+    ({"schedule": "periodic", "every_n_epochs": 2, "min_steps_between_checks": 100}, "min_steps_between_checks"),
+    ({"schedule": "periodic", "min_steps_between_checks": 100, "window": 6}, "window"),  # 6 steps < 100
+    ({"schedule": "periodic", "min_steps_between_checks": 0, "window": 6}, "min_steps_between_checks"),
 ])  # fmt: skip
 def test_bad_step_options_are_refused_naming_the_argument(kw, arg):
     with pytest.raises(ValueError, match=rf"^{arg}: expected .*Fix: "):
@@ -361,8 +362,19 @@ def test_bad_step_options_are_refused_naming_the_argument(kw, arg):
 
 
 def test_a_step_interval_with_a_monitor_is_warned_about():
-    with pytest.warns(UserWarning, match="every_n_train_steps=50 has no effect while monitor='train_loss'"):
-        GrowUntilSaturated(every_n_train_steps=50)
+    with pytest.warns(UserWarning, match="min_steps_between_checks=50 has no effect while monitor='train_loss'"):
+        GrowUntilSaturated(min_steps_between_checks=50)
+
+
+def test_the_former_name_every_n_train_steps_is_pythons_plain_type_error():
+    """Renamed before 0.1.0 (Lightning's ``ModelCheckpoint(every_n_train_steps=N)`` acts every N
+    steps mid-epoch; this option's checks come only at epoch ends): no alias, no shim."""
+    with pytest.raises(TypeError) as info:
+        GrowUntilSaturated(every_n_train_steps=4)
+    assert str(info.value) == "GrowUntilSaturated.__init__() got an unexpected keyword argument 'every_n_train_steps'"
+    assert "every_n_train_steps" not in GrowthConfig.names()  # nor a dataclass field a config could set
+    grow = GrowUntilSaturated(schedule="periodic", min_steps_between_checks=4, window=12, verbose=False)
+    assert (grow.min_steps_between_checks, grow._window.unit, grow._schedule.min_steps_between_checks) == (4, "step", 4)
 
 
 def test_the_schedule_keeps_its_step_count_across_a_checkpoint():
@@ -375,7 +387,7 @@ def test_the_schedule_keeps_its_step_count_across_a_checkpoint():
     def schedule():
         return CheckSchedule(kind="periodic", every_n_epochs=1, min_stage_epochs=1, lr_schedule="continue",
                              on_saturated="stop", monitor=StageMonitor(None, "min", 1, 0.0), anneal=LrAnneal(2),
-                             every_n_train_steps=10)  # fmt: skip
+                             min_steps_between_checks=10)  # fmt: skip
 
     def at(step, epoch):
         return SimpleNamespace(global_step=step, current_epoch=epoch, max_epochs=100, world_size=1)
@@ -402,7 +414,7 @@ def _steps_per_epoch(trainer) -> int:
 @pytest.mark.parametrize("size", [416, 288])  # 256 and 128 training images: 8 and 4 steps an epoch
 def test_a_step_counted_fit_checks_at_the_same_pace_per_step_on_less_data(tmp_path, always_pays, size):
     L.seed_everything(0)
-    grow = GrowUntilSaturated(schedule="periodic", every_n_train_steps=12, window=24, min_gain=0.01,
+    grow = GrowUntilSaturated(schedule="periodic", min_steps_between_checks=12, window=24, min_gain=0.01,
                               anneal_epochs=2, on_saturated="anneal", verbose=False)  # fmt: skip
     trainer = L.Trainer(max_epochs=10, callbacks=[grow], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
@@ -479,7 +491,7 @@ def test_a_step_count_left_from_an_earlier_fit_counts_from_the_new_start(tmp_pat
     """A callback reused in a second fit: the trainer's step count starts again at 0, so the last
     check's step (500, from the first fit) must not push the next check 500 steps away."""
     L.seed_everything(0)
-    grow = GrowUntilSaturated(schedule="periodic", every_n_train_steps=12, window=24, min_gain=0.01, verbose=False)
+    grow = GrowUntilSaturated(schedule="periodic", min_steps_between_checks=12, window=24, min_gain=0.01, verbose=False)
     grow._schedule.last_check_step = 500
     trainer = L.Trainer(max_epochs=3, callbacks=[grow], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,

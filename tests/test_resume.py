@@ -75,8 +75,9 @@ def _run(root: Path, mode: str, *, crash: int | None = None, ckpt: str | None = 
     module = ImageClassifier(width=4, num_classes=4, optimizer=lambda p: torch.optim.AdamW(p, lr=5e-3),
                              lr_scheduler=scheduler)  # fmt: skip
     # t tiny: every check grows; checks at the ends of epochs 1 and 3
-    every = ({"every_n_train_steps": 8, "schedule": "periodic", "window": 8, "min_gain": None, "lr_schedule": "continue"}
-             if mode == "steps" else {"every_n_epochs": 2, "lr_schedule": mode})  # steps: the rule decides
+    # steps: the rule decides
+    every = ({"min_steps_between_checks": 8, "schedule": "periodic", "window": 8, "min_gain": None,
+              "lr_schedule": "continue"} if mode == "steps" else {"every_n_epochs": 2, "lr_schedule": mode})
     grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e-9, max_growths=2, verbose=False, **every)
     callbacks = [grow, ModelCheckpoint(dirpath=root, save_last=True, every_n_epochs=1)]
     if crash is not None:

@@ -139,7 +139,7 @@ def test_a_fit_cut_while_a_forks_copies_cool_resumes_into_the_same_decisions(tmp
     """The cooled copies (weights, optimizer state, the rates they anneal from, the steps done)
     travel in last.ckpt too: with a check every 40 optimizer steps, the last 5 of a fork's horizon
     cool, and the fit is cut at the epoch end that falls among them."""
-    fork = [*FORK[:1], "--trainer.callbacks.every_n_epochs=null", "--trainer.callbacks.every_n_train_steps=40",
+    fork = [*FORK[:1], "--trainer.callbacks.every_n_epochs=null", "--trainer.callbacks.min_steps_between_checks=40",
             *FORK[2:]]  # fmt: skip
     whole = GrowtrainCLI(args=_args(tmp_path / "whole", *fork))
     expected = _decisions(_grower(whole.trainer).history)

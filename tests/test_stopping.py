@@ -86,15 +86,15 @@ def test_stopping_experiment_rows_resume_and_summary(tmp_path):
 
 
 def test_an_option_added_later_keys_a_results_folder_only_when_set():
-    """Folders written before every_n_train_steps existed resume: at its default it is not part of
+    """Folders written before min_steps_between_checks existed resume: at its default it is not part of
     the options the fingerprint reads; set, it is (a step-counted run is another configuration)."""
     from growtrain.callbacks.growth_config import GrowthConfig
     from growtrain.experiments.stopping import file_options
 
     epochs = file_options(GrowthConfig(schedule="periodic", every_n_epochs=2, window=6))
-    steps = file_options(GrowthConfig(schedule="periodic", every_n_train_steps=890, window=2670))
-    assert "every_n_train_steps" not in epochs and steps["every_n_train_steps"] == 890
-    assert set(steps) - set(epochs) == {"every_n_train_steps"}
+    steps = file_options(GrowthConfig(schedule="periodic", min_steps_between_checks=890, window=2670))
+    assert "min_steps_between_checks" not in epochs and steps["min_steps_between_checks"] == 890
+    assert set(steps) - set(epochs) == {"min_steps_between_checks"}
     assert not {"probe", "network", "loss_fn", "verbose"} & set(epochs)
 
 

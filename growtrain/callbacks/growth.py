@@ -83,8 +83,9 @@ class GrowUntilSaturated(Callback):
         schedule: ``"converged"`` (a check when ``monitor`` plateaus) or ``"periodic"`` (every
             ``every_n_epochs`` at the constant rate, no anneal before a check).
         every_n_epochs: epochs between checks (periodic, or ``monitor=None``); ``None``: 1.
-        every_n_train_steps: instead, a check at the first epoch end at least this many optimizer
-            steps after the last; ``window`` then counts optimizer steps too.
+        min_steps_between_checks: instead, a check at the first epoch end at least this many
+            optimizer steps after the last (checks still come only at epoch ends); ``window`` then
+            counts optimizer steps too.
         window: ``decision="window"``: epochs (or optimizer steps) J over which the probe loss must
             have fallen by a certified ``min_gain`` for growth to go on.
         monitor: metric whose plateau ends a converged stage (default ``"train_loss"``, else the
@@ -134,7 +135,7 @@ class GrowUntilSaturated(Callback):
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         schedule: Literal["converged", "periodic"] = "converged",
         every_n_epochs: int | None = None,
-        every_n_train_steps: int | None = None,
+        min_steps_between_checks: int | None = None,
         window: int = 6,
         monitor: str | None = "train_loss",
         mode: Literal["min", "max"] = "min",
@@ -171,18 +172,19 @@ class GrowUntilSaturated(Callback):
         self._schedule = CheckSchedule(
             kind=self.schedule, every_n_epochs=self.every_n_epochs, min_stage_epochs=self.min_stage_epochs,
             lr_schedule=self.lr_schedule, on_saturated=self.on_saturated, monitor=self._monitor, anneal=self._anneal,
-            every_n_train_steps=self.every_n_train_steps)
+            min_steps_between_checks=self.min_steps_between_checks)
         # the decision: one interface, judge(CheckInputs) → (verdict, sites, record entry)
         self._decider = {
             "trial": lambda: BlockTrials(epochs=self.trial_epochs, lr=DEFAULT_TRIAL_LR, sites=TRIAL_SITES,
                                          min_gain=self.min_gain, seed=self.seed),
             "window": lambda: WindowRule(window=self.window, min_gain=self.min_gain, seed=self.seed,
-                                         unit="epoch" if self.every_n_train_steps is None else "step"),
+                                         unit="epoch" if self.min_steps_between_checks is None else "step"),
             "rule": FirstOrderRule,
             **{name: (lambda per_stage=(name == "stage_fork"): PairedFork(
                 min_gain=self.min_gain, seed=self.seed, per_stage=per_stage, horizon=(
-                    f"{self.every_n_epochs} epoch(s)" if self.every_n_train_steps is None
-                    else f"{self.every_n_train_steps}+ optimizer step(s)"))) for name in ("fork", "stage_fork")},
+                    f"{self.every_n_epochs} epoch(s)" if self.min_steps_between_checks is None
+                    else f"{self.min_steps_between_checks}+ optimizer step(s)")))
+               for name in ("fork", "stage_fork")},
         }[self.decision]()  # fmt: skip
         self._trials = self._decider if isinstance(self._decider, BlockTrials) else None
         self._window = self._decider if isinstance(self._decider, WindowRule) else None
@@ -350,8 +352,8 @@ class GrowUntilSaturated(Callback):
 
     def _horizon_steps(self, trainer: Trainer) -> int | None:
         """Optimizer steps from one check to the next (the fork's horizon)."""
-        if self.every_n_train_steps is not None:
-            return int(self.every_n_train_steps)
+        if self.min_steps_between_checks is not None:
+            return int(self.min_steps_between_checks)
         per_epoch = steps_per_epoch(trainer)
         return None if per_epoch is None else per_epoch * self.every_n_epochs
 
@@ -398,7 +400,7 @@ class GrowUntilSaturated(Callback):
                 best=self._monitor.best, wait=self._monitor.wait, patience=self.patience,
                 mode=self.mode, min_rel_delta=self.min_rel_delta, min_stage_epochs=self.min_stage_epochs,
                 stage_epochs=self.stage_epochs, every_n_epochs=self.every_n_epochs, epochs=trainer.current_epoch,
-                waiting=self._schedule.waiting, every_n_train_steps=self.every_n_train_steps,
+                waiting=self._schedule.waiting, min_steps_between_checks=self.min_steps_between_checks,
                 steps=trainer.global_step,
             )  # fmt: skip
             rank_zero_warn(no_check, category=UserWarning)

@@ -73,7 +73,7 @@ class GrowthConfig:
     every_n_epochs: int | None = None  # None: 1 (given with a monitor: warned about, it has no effect)
     # instead of every_n_epochs: a check at the first epoch end this many optimizer steps after the last; the
     # window then counts optimizer steps too (the same pace per step on any amount of data)
-    every_n_train_steps: int | None = None
+    min_steps_between_checks: int | None = None
     window: int = 6  # schedule="periodic": the stop rule's window J, in epochs or steps (the study's J = 3K, K = 2)
     monitor: str | None = "train_loss"
     mode: Literal["min", "max"] = "min"
@@ -109,11 +109,12 @@ class GrowthConfig:
         _choice("schedule", self.schedule, SCHEDULES)
         periodic = self.schedule == "periodic"
         given_every = self.every_n_epochs is not None
-        steps = self.every_n_train_steps
-        _int("every_n_train_steps", steps, 1, optional=True)
+        steps = self.min_steps_between_checks
+        _int("min_steps_between_checks", steps, 1, optional=True)
         if steps is not None and given_every:
-            raise _bad("every_n_train_steps", "None when every_n_epochs is given (checks are counted in epochs or in "
-                       "optimizer steps, not both)", steps, "drop one of every_n_epochs and every_n_train_steps")  # fmt: skip
+            raise _bad("min_steps_between_checks", "None when every_n_epochs is given (checks are counted in epochs "
+                       "or in optimizer steps, not both)", steps,
+                       "drop one of every_n_epochs and min_steps_between_checks")  # fmt: skip
         if not given_every:
             object.__setattr__(self, "every_n_epochs", 1)
         _int("every_n_epochs", self.every_n_epochs, 1)
@@ -126,7 +127,7 @@ class GrowthConfig:
         if self.monitor is not None and not (isinstance(self.monitor, str) and self.monitor):
             raise _bad("monitor", "None or the name of a logged metric", self.monitor, "pass monitor='train_loss'")
         if self.monitor is not None and (given_every or steps is not None) and not periodic:  # periodic: no monitor
-            given = "every_n_epochs" if steps is None else "every_n_train_steps"
+            given = "every_n_epochs" if steps is None else "min_steps_between_checks"
             warnings.warn(f"GrowUntilSaturated: {given}={interval} has no effect while monitor="
                           f"{self.monitor!r} is set: a check runs when the monitor plateaus, whatever the epoch. Fix: "
                           f"pass monitor=None to check every {given}, or drop {given}.", UserWarning,
@@ -170,9 +171,9 @@ class GrowthConfig:
         _int("seed", self.seed, 0)
         self._check_decision()
         if self.decision == "window" and self.window < interval:  # the fork and the trial do not read it
-            given = "every_n_epochs" if steps is None else "every_n_train_steps"
+            given = "every_n_epochs" if steps is None else "min_steps_between_checks"
             raise _bad("window", f"at least {given}={interval} (the stop rule compares a check with one at least "
-                       f"`window` {unit} back; with every_n_train_steps the window counts optimizer steps too)",
+                       f"`window` {unit} back; with min_steps_between_checks the window counts optimizer steps too)",
                        self.window, f"pass window={3 * interval} or more (the study's J = 3K)")  # fmt: skip
         for name in ("min_rel_delta", "delta", "alpha"):
             object.__setattr__(self, name, float(getattr(self, name)))

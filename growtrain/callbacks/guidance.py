@@ -22,10 +22,10 @@ __all__ = ["no_check_message", "no_check_reason", "output_lines", "phase_line"]
 def no_check_message(*, monitor: str | None, best: float | None, wait: int, patience: int, mode: str,
                      min_rel_delta: float, min_stage_epochs: int, stage_epochs: int,
                      every_n_epochs: int, epochs: int, waiting: str | None,
-                     every_n_train_steps: int | None = None, steps: int = 0) -> str:  # fmt: skip
+                     min_steps_between_checks: int | None = None, steps: int = 0) -> str:  # fmt: skip
     """Why a fit ended without a single growth check, and what to change. ``monitor``: the metric
     that gates a check (``None`` under the periodic schedule or ``monitor=None``); ``steps``: the
-    optimizer steps of the fit (what ``every_n_train_steps`` counts)."""
+    optimizer steps of the fit (what ``min_steps_between_checks`` counts)."""
     if epochs == 0:
         why = "no training epoch ended (a check runs at the end of a training epoch)"
     elif monitor is not None:
@@ -40,10 +40,11 @@ def no_check_message(*, monitor: str | None, best: float | None, wait: int, pati
             f"monitor={monitor!r} never plateaued: {plateau}; the current stage is {stage_epochs} epoch(s) long "
             f"(min_stage_epochs={min_stage_epochs})"
         )
-    elif every_n_train_steps is not None:
-        why = (f"every_n_train_steps={every_n_train_steps} is more than the {steps} optimizer step(s) of this fit"
-               if every_n_train_steps > steps else
-               f"the check due after every_n_train_steps={every_n_train_steps} step(s) had not run when the fit ended")
+    elif min_steps_between_checks is not None:
+        why = (f"min_steps_between_checks={min_steps_between_checks} is more than the {steps} optimizer step(s) "
+               "of this fit" if min_steps_between_checks > steps else
+               f"the check due after min_steps_between_checks={min_steps_between_checks} step(s) had not run when "
+               "the fit ended")  # fmt: skip
     elif every_n_epochs > epochs:
         why = f"every_n_epochs={every_n_epochs} is more than the {epochs} training epoch(s) of this fit"
     else:  # the schedule was due, something delayed the check (a stage anneal): ``waiting`` says what
@@ -54,9 +55,9 @@ def no_check_message(*, monitor: str | None, best: float | None, wait: int, pati
     if epochs > 0 and monitor is not None:  # no epoch trained: only training at all helps
         fixes += [f"a smaller patience (now {patience}) or a larger min_rel_delta (now {min_rel_delta:g})",
                   "monitor=None with every_n_epochs=N to check on a fixed schedule"]  # fmt: skip
-    elif epochs > 0 and every_n_train_steps is not None:
-        if every_n_train_steps > steps:
-            fixes.append("a smaller every_n_train_steps")
+    elif epochs > 0 and min_steps_between_checks is not None:
+        if min_steps_between_checks > steps:
+            fixes.append("a smaller min_steps_between_checks")
     elif epochs > 0 and every_n_epochs > epochs:
         fixes.append("a smaller every_n_epochs")
     return (

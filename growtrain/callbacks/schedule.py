@@ -84,8 +84,8 @@ class CheckSchedule:
     """When a check comes and what the learning rate does around it: ``"converged"`` (a check when
     the monitor has plateaued and the stage is at least ``min_stage_epochs`` long; with
     ``lr_schedule="anneal"`` the stage is cosine-annealed first and checked annealed) or
-    ``"periodic"`` (every ``every_n_epochs`` at the constant rate; with ``every_n_train_steps``, at
-    the first epoch end at least that many optimizer steps after the last check, so the same
+    ``"periodic"`` (every ``every_n_epochs`` at the constant rate; with ``min_steps_between_checks``,
+    at the first epoch end at least that many optimizer steps after the last check, so the same
     settings grow at the same pace per step on any size of data). Under both the final anneal is
     reserved inside ``max_epochs`` and ``max_steps``, and after growth ends it runs here too.
 
@@ -96,13 +96,13 @@ class CheckSchedule:
 
     def __init__(self, *, kind: str, every_n_epochs: int, min_stage_epochs: int, lr_schedule: str,
                  on_saturated: str, monitor: StageMonitor, anneal: LrAnneal,
-                 every_n_train_steps: int | None = None):  # fmt: skip
+                 min_steps_between_checks: int | None = None):  # fmt: skip
         self.kind, self.every_n_epochs, self.min_stage_epochs = kind, every_n_epochs, min_stage_epochs
-        self.every_n_train_steps = every_n_train_steps
+        self.min_steps_between_checks = min_steps_between_checks
         self.lr_schedule, self.on_saturated = lr_schedule, on_saturated
         self.monitor, self.anneal = monitor, anneal
         self.epochs_since_check = 0
-        self.last_check_step = 0  # trainer.global_step at the last check (every_n_train_steps counts from it)
+        self.last_check_step = 0  # trainer.global_step at the last check (min_steps_between_checks counts from it)
         self.stage_epochs = 0  # epochs since the start or the last growth
         self.waiting: str | None = None  # why the last epoch end ran no check (should_check's reason)
 
@@ -137,8 +137,9 @@ class CheckSchedule:
         due, self.waiting = should_check(
             finished=finished, epochs_since_check=self.epochs_since_check, every_n_epochs=self.every_n_epochs,
             monitor=monitor, plateaued=plateaued, min_stage_epochs=self.min_stage_epochs,
-            stage_epochs=self.stage_epochs, every_n_train_steps=self.every_n_train_steps,
-            steps_since_check=None if self.every_n_train_steps is None else int(trainer.global_step) - self.last_check_step,
+            stage_epochs=self.stage_epochs, min_steps_between_checks=self.min_steps_between_checks,
+            steps_since_check=(None if self.min_steps_between_checks is None
+                               else int(trainer.global_step) - self.last_check_step),
         )  # fmt: skip
         if trainer.world_size > 1:  # one answer on every rank
             due = trainer.strategy.reduce_boolean_decision(due, all=False)

@@ -50,8 +50,8 @@ __all__ = ["StoppingResult", "run_stopping", "smallest_good_depth", "stopped_by"
 DECISION_OPTIONS = ("rule", "alpha", "delta", "t", "max_growths", "max_params", "seed", "lr_schedule", "min_gain",
                     "decision", "trial_epochs")  # fmt: skip
 # Options added after folders of results were written, with their default: left out of the file's
-# fingerprint while at it, so those folders resume (every_n_train_steps: the ninth session).
-NEW_OPTIONS = {"every_n_train_steps": None}
+# fingerprint while at it, so those folders resume (min_steps_between_checks: the ninth session).
+NEW_OPTIONS = {"min_steps_between_checks": None}
 
 
 def smallest_good_depth(by_depth: dict[int, list[float]]) -> tuple[int, int]:
@@ -155,7 +155,7 @@ def file_options(config: GrowthConfig) -> dict:
 def _config_with(grow: GrowUntilSaturated, **changes) -> GrowthConfig:
     """``grow``'s options with ``changes``; ``every_n_epochs`` back to "not given" where it does not
     time the checks (``replace`` re-validates: a given one would be warned about under a monitor,
-    and refused beside ``every_n_train_steps``)."""
+    and refused beside ``min_steps_between_checks``)."""
     return replace(grow.config, every_n_epochs=_every_n_epochs(grow.config), **changes)
 
 
@@ -166,8 +166,8 @@ def _monitor_decides(config: GrowthConfig) -> bool:
 
 def _every_n_epochs(config: GrowthConfig) -> int | None:
     """``every_n_epochs`` as given: ``None`` (the config normalises a missing one to 1) where a
-    monitor or ``every_n_train_steps`` times the checks."""
-    return None if _monitor_decides(config) or config.every_n_train_steps is not None else config.every_n_epochs
+    monitor or ``min_steps_between_checks`` times the checks."""
+    return None if _monitor_decides(config) or config.min_steps_between_checks is not None else config.every_n_epochs
 
 
 def _grower_from(grow: GrowUntilSaturated, **changes) -> GrowUntilSaturated:
