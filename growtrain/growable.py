@@ -6,7 +6,9 @@ means "before block 1 of stage ``layer2``" and ``layer2.<len>`` the end of that 
 are listed in a stable order (stage order, then position) fixed before any gradient is seen.
 
 Inserted blocks are *zero-output*: ``block(z) == z`` because their terminal map ``V``
-(``block.terminal_parameters()``) is zero. ``grow`` checks that before it changes anything.
+(``block.terminal_parameters()``) is zero. ``grow`` checks that before it changes anything;
+``insertion_tolerance`` is how far the output may move after an insertion (the network editor's
+function-preservation check).
 
 This module imports no Lightning.
 """
@@ -416,6 +418,16 @@ def insertion_order(names: Sequence[str]) -> list[str]:
         return (stage, -int(index)) if index.isdigit() else (name, 0)
 
     return sorted(names, key=key)
+
+
+# Absolute tolerance per unit of output scale for the insertion check, by output dtype.
+_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def insertion_tolerance(dtype: torch.dtype, scale: float) -> float:
+    """Largest acceptable ``max|Δ output|`` after inserting zero-output blocks: the
+    function-preservation check of an insertion (the network editor's, and the probe setup's)."""
+    return _TOLERANCE.get(dtype, 1e-5) * max(1.0, float(scale))
 
 
 def probe_loss_for(module: nn.Module, loss_fn: Callable | None = None) -> Callable:

@@ -25,12 +25,12 @@ from growtrain.callbacks import telemetry
 from growtrain.callbacks.editor import insertion_order as _insertion_order
 from growtrain.callbacks.growth import FunctionChangedError, GrowUntilSaturated
 from growtrain.callbacks.probe_data import probe_overlap
-from growtrain.decision import decide_growth, plateau_update, should_check
 from growtrain.saturation_report import rank_sites
 from growtrain.data import ImageDataModule
 from growtrain.growable import GrowableStack, grown_blocks
 from growtrain.module import GrowableModuleMixin, ImageClassifier
 from growtrain.optim import param_groups
+from growtrain.schedule_rules import decide_growth, plateau_update, should_check
 
 
 def tiny_dm(**kw) -> ImageDataModule:

@@ -22,6 +22,7 @@ from matplotlib.text import Text
 from rich.console import Console
 
 from growtrain import decision as dec
+from growtrain import schedule_rules
 from growtrain.callbacks import GrowUntilSaturated, telemetry
 from growtrain.callbacks.gamma_plot import final_state
 from growtrain.data import ImageDataModule
@@ -111,7 +112,7 @@ def history_of(verdict, net, report) -> list[dict]:
     common = dict(block_params={}, growths=1, max_growths=None, params=100, max_params=None)
     grow = {"check": 0, "epoch": 4, "step": 40, "depth_before": 3}
     grow.update(telemetry.check_record(report, "grow", "grow: the block at layer1.1 pays", ["layer1.1"], net, 4))
-    action, reason, sites = dec.decide_growth(saturated=verdict.saturated, ranked=[], reason=verdict.reason, **common)
+    action, reason, sites = schedule_rules.decide_growth(saturated=verdict.saturated, ranked=[], reason=verdict.reason, **common)
     stop = {"check": 1, "epoch": 9, "step": 90, "depth_before": 4, verdict.rule: verdict.to_dict()}
     stop.update(telemetry.check_record(report, action, reason, sites, net, 4, certified=verdict.certified))
     return [telemetry.plain(grow), telemetry.plain(stop)]

@@ -10,7 +10,6 @@ longer a callback option, whose default is ``"crossfit"``) against independent o
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -177,20 +176,3 @@ def test_defaults_tie_checks_to_convergence_and_judge_growth_by_its_gain():
     assert (grow.rule, grow.monitor, grow.min_gain, grow.decision) == ("crossfit", "train_loss", 0.01, "trial")
     assert dec.DEFAULT_MIN_GAIN == 0.01 and GrowUntilSaturated(min_gain=None).min_gain is None
     assert GrowUntilSaturated(t=0.5).rule == "paper"  # t is the paper rule's threshold
-
-
-def test_plateau_needs_a_minimum_stage_and_is_relative():
-    common = dict(finished=None, every_n_epochs=1, monitor="train_loss", plateaued=True)
-    assert dec.should_check(**common, epochs_since_check=1, min_stage_epochs=3, stage_epochs=2) == (
-        False, "stage is 2 epoch(s) long; min_stage_epochs=3")
-    assert dec.should_check(**common, epochs_since_check=1, min_stage_epochs=3, stage_epochs=3)[0]
-    # the callback's plateau is relative: the same losses ×10 or ×0.1 plateau at the same epoch
-    def plateau_epoch(scale):
-        grow = GrowUntilSaturated(patience=2, min_rel_delta=0.05)
-        for epoch, loss in enumerate([1.0, 0.8, 0.7, 0.69, 0.68, 0.675]):
-            if grow._monitor.plateaued(SimpleNamespace(callback_metrics={"train_loss": torch.tensor(scale * loss)})):
-                return epoch
-
-    assert plateau_epoch(1.0) == plateau_epoch(10.0) == plateau_epoch(0.1) == 4
-    with pytest.raises(RuntimeError, match=r"monitor: metric 'train_loss' is not logged; available: \['loss'\]"):
-        GrowUntilSaturated()._monitor.plateaued(SimpleNamespace(callback_metrics={"loss": torch.tensor(1.0)}))

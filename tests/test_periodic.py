@@ -324,7 +324,7 @@ def test_the_stopping_figure_draws_each_windows_certified_gain_against_min_gain(
 
 # -- a check interval and window counted in optimizer steps (min_steps_between_checks) --------------
 def test_should_check_counts_optimizer_steps_when_asked():
-    from growtrain.decision import should_check
+    from growtrain.schedule_rules import should_check
 
     kw = dict(finished=None, epochs_since_check=1, every_n_epochs=1, monitor=None, plateaued=False,
               min_steps_between_checks=12)  # fmt: skip

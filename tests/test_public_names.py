@@ -16,6 +16,13 @@ GONE = [
     ("growtrain.plots", "GammaTracePlot"),
     ("growtrain.plots", "save_gamma_trace"),
     ("growtrain.crossfit", "chen_qin_test"),
+    # decision.py holds the decisions only: the schedule's and the action's functions are in
+    # growtrain.schedule_rules, the insertion's tolerance in growtrain.growable
+    ("growtrain.decision", "should_check"),
+    ("growtrain.decision", "plateau_update"),
+    ("growtrain.decision", "budget_reason"),
+    ("growtrain.decision", "decide_growth"),
+    ("growtrain.decision", "insertion_tolerance"),
 ]
 
 

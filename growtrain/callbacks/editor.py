@@ -13,12 +13,11 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from growtrain import decision as dec
 from growtrain import fsdp
 from growtrain.batches import to_device
 from growtrain.callbacks import sharded
 from growtrain.callbacks.probe_data import ProbeView, eval_output
-from growtrain.growable import grown_blocks, insertion_order
+from growtrain.growable import grown_blocks, insertion_order, insertion_tolerance
 from growtrain.reconfigure import reconfigure_optimizer
 
 __all__ = ["FunctionChangedError", "insertion_order", "grow", "optimizer_for", "rewrap_ddp"]
@@ -49,7 +48,7 @@ def grow(trainer: Trainer, pl_module: LightningModule, network: nn.Module, block
         fsdp.shard_like_neighbours(network, inserted, root=pl_module)  # FSDP2: sharded like the neighbours
         after = eval_output(view, x)
         change = float((after.float() - before.float()).abs().max()) if before.numel() else 0.0
-        tolerance = dec.insertion_tolerance(before.dtype, float(before.float().abs().max()) if before.numel() else 1.0)
+        tolerance = insertion_tolerance(before.dtype, float(before.float().abs().max()) if before.numel() else 1.0)
         if not math.isfinite(change) or change > tolerance or after.shape != before.shape:
             raise FunctionChangedError(
                 f"inserting blocks at {sites} changed the network's output on a probe batch by "

@@ -323,7 +323,8 @@ class PairedFork:
             self.cool[1][0] if self.cool is not None else self.arm)
         device = next(network.parameters()).device
         out = []
-        for module in (control, arm):  # under DDP each rank scores its shard; the shards are all-gathered
+        # under DDP each rank scores its shard and the shards are all-gathered (FSDP2 is refused for the fork)
+        for module in (control, arm):
             with swapped(pl_module, network, module):
                 out.append(probe_sample_losses(trainer, ProbeView(pl_module, module), probe, loss_fn, device)[0])
         return out[0], out[1]

@@ -3,11 +3,13 @@
 Three parts, each with one interface (docs/design.md draws one check's data flow)::
 
     schedule  — when a check comes: a converged stage (StageMonitor's plateau, LrAnneal's stage
-                anneal) or every K epochs (periodic); the final anneal reserved (schedule.py)
+                anneal) or every K epochs (periodic); the final anneal reserved (schedule.py,
+                schedule_rules.should_check)
     decision  — what a check measured → a Verdict: BlockTrials (trial), WindowRule (window), PairedFork
                 (fork: its arm also trains on every batch between checks), or the first-order rule of
-                measure_saturation (rule); decide_growth applies the budgets
-    editor    — grow (function-preserving, verified, rolled back on failure), zero-state optimizer
+                measure_saturation (rule)
+    editor    — what the verdict does: schedule_rules.decide_growth applies the budgets; grow
+                (function-preserving, verified, rolled back on failure), zero-state optimizer
                 groups, DDP re-wrap (editor.py)
 
 The hooks only gather inputs and call these parts, so every rank that sees the same all-reduced
@@ -31,6 +33,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from growtrain import decision as dec
+from growtrain import schedule_rules
 from growtrain.callbacks import editor, guidance, probe_check, sharded, telemetry
 from growtrain.callbacks.anneal import LrAnneal, refuse_scheduler
 from growtrain.callbacks.editor import FunctionChangedError
@@ -379,7 +382,7 @@ class GrowUntilSaturated(Callback):
 
     def _budget_reason(self, trainer: Trainer | None = None) -> str | None:
         network = self._network
-        return dec.budget_reason(
+        return schedule_rules.budget_reason(
             growths=self.growths, max_growths=self.max_growths, params=telemetry.count_params(network),
             max_params=self.max_params,
         ) or (self._final_reserved(trainer) if trainer is not None else None)  # fmt: skip
@@ -465,7 +468,7 @@ class GrowUntilSaturated(Callback):
             elif entry is not None and entry.get("wait"):  # the window is not full: nothing tested, nothing grows
                 action, reason, sites = "wait", verdict.reason, []
             else:
-                action, reason, sites = dec.decide_growth(
+                action, reason, sites = schedule_rules.decide_growth(
                     saturated=verdict.saturated, ranked=ranked, reason=verdict.reason,
                     block_params={s: telemetry.count_params(report.record(s).block) for s in ranked},
                     growths=self.growths, max_growths=self.max_growths, params=params, max_params=self.max_params,
@@ -479,8 +482,9 @@ class GrowUntilSaturated(Callback):
             record.update(self._grow(trainer, pl_module, network, report, sites))
             if self._fork is not None:  # the run takes the arm (its training is kept), then forks again
                 self._fork.adopt(network, editor.optimizer_for(trainer, network))
-                if dec.budget_reason(growths=self.growths, max_growths=self.max_growths,
-                                     params=telemetry.count_params(network), max_params=self.max_params) is None:
+                if schedule_rules.budget_reason(growths=self.growths, max_growths=self.max_growths,
+                                                params=telemetry.count_params(network),
+                                                max_params=self.max_params) is None:
                     opened = self._fork.first_sites(self._measure(trainer, pl_module, network))
         elif action not in ("fork", "wait"):
             if self._fork is not None:

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
-from growtrain import decision as dec
+from growtrain.schedule_rules import plateau_update
 
 __all__ = ["StageMonitor"]
 
@@ -107,7 +107,7 @@ class StageMonitor:
         self._last = value
         value = float(value)
         min_delta = self.min_rel_delta * abs(self.best) if self.best is not None else 0.0
-        self.best, self.wait, plateaued = dec.plateau_update(
+        self.best, self.wait, plateaued = plateau_update(
             value, self.best, self.wait, mode=self.mode, min_delta=min_delta, patience=self.patience
         )
         return plateaued

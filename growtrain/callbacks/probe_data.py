@@ -247,19 +247,19 @@ class Fingerprinted:
 
 
 def probe_sample_losses(trainer: Any, view: "ProbeView", probe: Any, loss_fn: Any, device: torch.device, *,
-                        fingerprints: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+                        fingerprints: bool = False, collective: bool = False,
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Every probe sample's loss (float64, on the host, in the probe's order) and, with
     ``fingerprints``, their fingerprints — the same tensors on every rank, computed under the
     trainer's precision as a training step's forward is.
 
     Under DDP each rank scores only its shard (``ShardSampler``: positions ``r, r+w, ...``) and the
     shards are all-gathered and put back in order: a rank does 1/w of the work and no rank's result
-    is thrown away. Under FSDP2 (``ModelParallelStrategy``) a forward is a collective that every rank
-    runs on the same batches, so every rank scores the whole probe; so does one process."""
-    from growtrain.callbacks.sharded import is_model_parallel
-
+    is thrown away. Under FSDP2 (``collective``: ``ModelParallelStrategy``, the caller knows) a
+    forward is a collective that every rank runs on the same batches, so every rank scores the
+    whole probe; so does one process."""
     world = int(getattr(trainer, "world_size", 1))
-    sharded = world > 1 and not is_model_parallel(trainer.strategy)
+    sharded = world > 1 and not collective
     loader = shard_loader(probe, trainer.global_rank, world) if sharded else probe
     source = Fingerprinted(loader) if fingerprints else loader
     with trainer.precision_plugin.forward_context():
@@ -387,7 +387,7 @@ def _check_probe_setup(trainer: Any, pl_module: nn.Module, network: nn.Module, l
                        seed: int, defaulted: bool = False) -> None:  # fmt: skip
     from growtrain import fsdp
     from growtrain.batches import to_device
-    from growtrain.decision import insertion_tolerance
+    from growtrain.growable import insertion_tolerance
 
     view = ProbeView(pl_module, network)
     device = next(network.parameters()).device

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from growtrain.callbacks.anneal import LrAnneal
 from growtrain.callbacks.monitor import StageMonitor
-from growtrain.decision import should_check
+from growtrain.schedule_rules import should_check
 
 __all__ = ["final_reserved", "no_room", "steps_per_epoch", "CheckSchedule"]
 
@@ -91,7 +91,7 @@ class CheckSchedule:
 
     The callback asks it at every train-epoch end what to do (:meth:`epoch_end`); its state (the
     counters, the plateau's, the anneal's) travels in the callback's checkpoint. ``should_check``
-    (growtrain.decision) decides; this class only keeps the count.
+    (growtrain.schedule_rules) decides; this class only keeps the count.
     """
 
     def __init__(self, *, kind: str, every_n_epochs: int, min_stage_epochs: int, lr_schedule: str,

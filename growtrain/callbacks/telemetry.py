@@ -1,7 +1,8 @@
 """What ``GrowUntilSaturated`` tells the user: one history record per check, logger metrics,
 ``growth_history.json``, a rich table per check and a one-screen summary at the end of the fit.
 
-Nothing here decides anything: it formats what the hooks and ``growtrain.decision`` produced.
+Nothing here decides anything: it formats what the hooks, ``growtrain.decision`` and
+``growtrain.schedule_rules`` produced.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from growtrain.callbacks.probe_data import Fingerprinted, ProbeView, probe_sample_losses
+from growtrain.callbacks.sharded import is_model_parallel
 from growtrain.decision import Verdict
 from growtrain.gain import signature_mismatch
 from growtrain.saturation_report import best_scored_site
@@ -41,7 +42,7 @@ def probe_losses(trainer: Any, pl_module: Any, network: Any, probe: Any, loss_fn
         start = time.perf_counter()
         device = next(network.parameters()).device
         losses, signatures = probe_sample_losses(trainer, ProbeView(pl_module, network), probe, loss_fn, device,
-                                                 fingerprints=True)  # fmt: skip
+                                                 fingerprints=True, collective=is_model_parallel(trainer.strategy))
         seconds = time.perf_counter() - start
     if signatures is None or signatures.numel() != losses.numel():
         raise RuntimeError(f"probe: {losses.numel()} per-sample losses but fingerprints of "
