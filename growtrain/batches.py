@@ -62,10 +62,13 @@ def sample_loss_terms(output: Any, target: Any, loss_fn: Any) -> torch.Tensor:
     per sample instead: the same terms, slower."""
     n = batch_size(target)
     with torch.no_grad():
-        if n and isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor):
+        # negative class targets (ignore_index=-100, padded labels): vmap's nll_loss rule gathers at the target
+        # before masking, which on a GPU is a device-side assert no except can catch: one call per sample
+        ignored = not target.is_floating_point() and bool((target < 0).any()) if isinstance(target, torch.Tensor) else True
+        if n and isinstance(output, torch.Tensor) and not ignored:
             try:
                 terms = torch.func.vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(output, target)
-            except (RuntimeError, ValueError, TypeError, NotImplementedError):
+            except (RuntimeError, ValueError, TypeError, NotImplementedError, IndexError, AssertionError):
                 terms = None  # not batchable by vmap: one call per sample below
             if isinstance(terms, torch.Tensor) and terms.shape == (n,):
                 return terms.double()

@@ -120,7 +120,7 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
     the periodic schedule) the probe loss's paired fall over the last ``window`` epochs in % of the
     loss, its certified lower bound (grow when above ``min_gain``) and its upper bound ("certified
     saturation" when below), checks whose window was not full yet marked at the bottom of the panel
-    (nothing compared: they grow); with ``decision="gain"`` each later check's
+    (nothing compared: they wait); with ``decision="gain"`` each later check's
     certified gain of the last block against what it needed (``min_gain`` × the probe loss at
     that growth). Then the first-order test — the best site's certified (cross-fit) lower bound
     against the rule's threshold (``margin``: δ, or τ·R for the relative rule); with

@@ -85,3 +85,26 @@ def test_a_loss_vmap_cannot_batch_is_called_per_sample_with_the_same_terms():
 
     terms = sample_loss_terms(out, y, reads_the_host)
     torch.testing.assert_close(terms, 2.0 * F.cross_entropy(out, y, reduction="none").double())
+
+
+def test_ignored_targets_take_the_per_sample_path_with_the_right_terms():
+    """Padded labels (ignore_index=-100): each sequence's term is the mean over its kept tokens,
+    as one call per sequence gives; vmap's loss rule is not used for them (on a GPU it would gather
+    at index -100 before masking: a device-side assert)."""
+    from growtrain.batches import sample_loss_terms
+    from growtrain.lm import token_cross_entropy
+
+    g = torch.Generator().manual_seed(2)
+    logits, tokens = torch.randn(3, 6, 7, generator=g), torch.randint(0, 7, (3, 6), generator=g)
+    tokens[0, 4:] = -100
+    tokens[2, :2] = -100
+    calls = []
+
+    def counted(o, t):
+        calls.append(1)
+        return token_cross_entropy(o, t)
+
+    terms = sample_loss_terms(logits, tokens, counted)
+    by_hand = torch.stack([F.cross_entropy(logits[i][tokens[i] >= 0], tokens[i][tokens[i] >= 0]) for i in range(3)])
+    torch.testing.assert_close(terms, by_hand.double())
+    assert len(calls) == 3  # one call per sequence

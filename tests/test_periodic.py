@@ -567,7 +567,8 @@ def test_the_bare_converged_default_anneals_each_stage_before_its_check(tmp_path
 
     assert GrowUntilSaturated(schedule="periodic").lr_schedule == "continue"
     assert GrowUntilSaturated(monitor=None).lr_schedule == "continue"
-    with_scheduler = GrowUntilSaturated(verbose=False, min_gain=None, max_growths=0)
+    # resolved per fit: the same callback object on a module with its own scheduler continues it (no refusal)
+    with_scheduler = grow
     trainer = L.Trainer(max_epochs=1, callbacks=[with_scheduler], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
                         default_root_dir=tmp_path)  # fmt: skip

@@ -33,3 +33,40 @@ def test_plateau_needs_a_minimum_stage_and_is_relative():
     assert plateau_epoch(1.0) == plateau_epoch(10.0) == plateau_epoch(0.1) == 4
     with pytest.raises(RuntimeError, match=r"monitor: metric 'train_loss' is not logged; available: \['loss'\]"):
         GrowUntilSaturated()._monitor.plateaued(SimpleNamespace(callback_metrics={"loss": torch.tensor(1.0)}))
+
+
+def test_window_never_judged_agrees_with_a_brute_force_schedule():
+    """Against a simulation of the periodic schedule: checks end epochs K-1, 2K-1, ...; one is
+    judged when an earlier check is at least J epochs older (growtrain.window.window_reference);
+    it may grow when more than the final anneal's epochs remain after it (growtrain.callbacks.
+    schedule.final_reserved), or always without a final anneal."""
+    from growtrain.schedule_rules import window_never_judged
+
+    for max_epochs in range(1, 25):
+        for k in (1, 2, 3):
+            for j in (1, 2, 4, 6):
+                for anneal, on_saturated in ((3, "anneal"), (5, "anneal"), (3, "stop")):
+                    checks = list(range(k - 1, max_epochs, k))
+                    usable = [e for e in checks
+                              if any(c <= e - j for c in checks if c < e)
+                              and (on_saturated != "anneal" or max_epochs - e - 1 > anneal)]  # fmt: skip
+                    got = window_never_judged(max_epochs=max_epochs, every_n_epochs=k, window=j, anneal_epochs=anneal,
+                                              on_saturated=on_saturated)  # fmt: skip
+                    assert (got is not None) == (not usable), (max_epochs, k, j, anneal, on_saturated, got)
+
+
+def test_a_window_that_can_never_be_judged_is_said_before_training(tmp_path):
+    import lightning as L
+    import pytest
+
+    from growtrain import GrowUntilSaturated, ImageClassifier
+    from tests.test_periodic import tiny_dm
+
+    grow = GrowUntilSaturated(schedule="periodic", every_n_epochs=2, window=6, on_saturated="anneal", anneal_epochs=3,
+                              verbose=False)  # fmt: skip
+    trainer = L.Trainer(max_epochs=8, callbacks=[grow], logger=False, enable_progress_bar=False, limit_train_batches=1,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                        default_root_dir=tmp_path)  # fmt: skip
+    with pytest.warns(UserWarning, match=r"window=6: the first check with a full window ends epoch 7.*never grows"):
+        trainer.fit(ImageClassifier(width=4, num_classes=4, in_channels=3), tiny_dm())
+    assert not grow.history or all(h["action"] != "grow" for h in grow.history)

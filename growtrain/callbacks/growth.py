@@ -292,10 +292,16 @@ class GrowUntilSaturated(Callback):
         telemetry.publish(trainer, {"growth/depth": self._depth(self._network)})
         # a callback reused in a new fit (its step count starts again at 0) counts from the new start
         self._schedule.last_check_step = min(self._schedule.last_check_step, int(trainer.global_step))
-        if self.lr_schedule is None:  # the default under a converged (plateau) schedule
+        if self.config.lr_schedule is None:  # the default under a converged (plateau) schedule: per fit, per module
             self._resolve_lr_schedule(trainer)
         if self.lr_schedule == "anneal" and (self.finished is None or self._anneal.active):
             refuse_scheduler(trainer, editor.optimizer_for(trainer, self._network))
+        if self._window is not None and self._window.unit == "epoch" and trainer.current_epoch == 0:
+            never = schedule_rules.window_never_judged(
+                max_epochs=trainer.max_epochs, every_n_epochs=self.every_n_epochs, window=self.window,
+                anneal_epochs=self.anneal_epochs, on_saturated=self.on_saturated)  # fmt: skip
+            if never is not None:
+                rank_zero_warn(f"GrowUntilSaturated: {never}", category=UserWarning)
         why = self._schedule.no_room(trainer, self.finished)
         if why is not None:  # a fit too short to grow says so
             rank_zero_warn(f"GrowUntilSaturated: {why}", category=UserWarning)

@@ -54,7 +54,8 @@ def check_record(report: SaturationReport | None, action: str, reason: str, site
                  depth: int | None, certified: bool = False) -> dict:  # fmt: skip
     """The history fields that describe a check's outcome and the report behind it.
 
-    ``action`` is the code value (``"grow"``, ``"saturated"``, ``"budget"``); ``certified`` is the
+    ``action`` is the code value (``"grow"``, ``"saturated"``, ``"budget"``, ``"fork"``: a fork
+    opened, ``"wait"``: a window not full yet, nothing decided); ``certified`` is the
     deciding verdict's ``Verdict.certified``. ``saturated`` and ``certified`` are true only for a
     stop whose verdict certified it (an upper bound below the margin): a stop on a lower bound that
     did not clear the margin is ``action="saturated"`` with both false ("no certified gain")."""

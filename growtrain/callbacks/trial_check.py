@@ -153,7 +153,8 @@ class BlockTrials:
             train = f"{label}: train block"
             fit = train_block(view, pl_module, block, batches, loss_fn, steps=steps, lr=self.lr,
                               context=trainer.precision_plugin.forward_context,  # as a training step's forward
-                              loss_scale=str(trainer.precision).startswith("16"),
+                              # the run's own loss scaling (16-mixed); never under 16-true (half-precision weights)
+                              loss_scale=getattr(trainer.precision_plugin, "scaler", None) is not None,
                               sync_grads=None if sharded else sync,  # FSDP2 already averaged them
                               any_rank=self._any_rank(trainer),
                               progress=lambda done, total: step(done, total, train))  # fmt: skip
