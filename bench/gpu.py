@@ -24,6 +24,8 @@ What it checks (one JSON, keys in brackets):
 [retained]   memory held after N repeated ``measure_saturation`` calls on one network
              (``memory_allocated`` before/after, CUDA) and probe activations still alive
              (weak references, any device). Target: 0.
+[amp]        the block trial in 32-true, 16-mixed (its loss scaled) and bf16-mixed, and per-sample
+             losses with ignored targets (-100) against one call per sequence.
 [bad_input]  probe batches on the host for a network on the device are moved (same report as
              batches on the device); a network split across two devices is refused by name.
 [cli]        ``growtrain fit --config configs/quickstart.yaml`` and ``configs/gpt.yaml`` with
@@ -353,6 +355,42 @@ def retained_section(args, device) -> dict:
 
 
 # -- bad input: batches elsewhere are moved, a split network is refused ----------------------------
+def amp_section(args, device, root: Path) -> dict:
+    """The block trial under each mixed precision on the device (16-mixed: the trial's loss scaled
+    by its own GradScaler, as the run's is), and per-sample losses with ignored targets (-100)
+    against one call per sequence (vmap's loss rule is bypassed for them: on a GPU it would assert)."""
+    from growtrain.batches import sample_loss_terms
+
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 16, 50, generator=g).to(device)
+    tokens = torch.randint(0, 50, (4, 16), generator=g).to(device)
+    tokens[0, 10:] = -100
+    terms = sample_loss_terms(logits, tokens, token_cross_entropy)
+    by_hand = torch.stack([F.cross_entropy(logits[i][tokens[i] >= 0], tokens[i][tokens[i] >= 0]) for i in range(4)])
+    out["ignored_targets_max_abs_diff"] = float((terms.to(by_hand.device) - by_hand.double()).abs().max())
+    for precision in ("32-true", "16-mixed", "bf16-mixed"):
+        L.seed_everything(0)
+        size = 8 if args.quick else 32
+        dm = ImageDataModule(dataset="synthetic", image_size=size, synthetic_size=400 if args.quick else 4000,
+                             synthetic_classes=10, probe_size=64 if args.quick else 1000, val_size=32,
+                             batch_size=32 if args.quick else 128)  # fmt: skip
+        grow = GrowUntilSaturated(monitor=None, decision="trial", min_gain=0.01, max_growths=1, verbose=False)
+        trainer = L.Trainer(accelerator=args.accelerator, devices=1, precision=precision, max_epochs=2,
+                            callbacks=[grow], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=root, limit_val_batches=0)  # fmt: skip
+        try:
+            trainer.fit(ImageClassifier(width=4 if args.quick else 16, num_classes=10), dm)
+        except Exception as error:  # report it, go on with the next precision
+            out[precision] = {"error": f"{type(error).__name__}: {error}"[:300]}
+            continue
+        trials = [t for h in grow.history for t in (h.get("trial") or {}).get("trials", [])]
+        out[precision] = {"actions": [h["action"] for h in grow.history],
+                          "diverged": sum(bool(t.get("diverged")) for t in trials), "trials": len(trials),
+                          "gains_pct": [round(100 * t["gain_frac"], 3) for t in trials if "gain_frac" in t]}  # fmt: skip
+    return out
+
+
 def bad_input_section(args, device) -> dict:
     torch.manual_seed(0)
     net = cifar_resnet((1, 1, 1), width=4, family="preact").to(device)
@@ -538,7 +576,7 @@ def main(argv=None) -> dict:
     if args.quick:
         args.repeats = min(args.repeats, 1)
     if args.only is None:
-        args.only = ["fit", "probe", "precision", "retained", "bad_input", "throughput"] + ([] if args.quick else ["cli"])
+        args.only = ["fit", "probe", "precision", "retained", "bad_input", "amp", "throughput"] + ([] if args.quick else ["cli"])
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*isinstance.*LeafSpec.*")
 
@@ -575,6 +613,7 @@ def _run_sections(args, device, result: dict) -> None:
             ("precision", lambda: precision_section(args, device)),
             ("retained", lambda: retained_section(args, device)),
             ("bad_input", lambda: bad_input_section(args, device)),
+            ("amp", lambda: amp_section(args, device, root)),
             ("throughput", lambda: throughput_section(args, device, root)),
             ("cli", lambda: cli_section(args, device, root)),
         ]
@@ -616,6 +655,8 @@ def summary(result: dict) -> None:
         mem = "" if per_call is None else f", {per_call / 2**20:.2f} MiB retained per call"
         print(f"  retained {rule:9s}: {r['leaked_tensors']} of {r['recorded_activations']} probe activations alive "
               f"after {r['calls']} calls{mem}")  # fmt: skip
+    if "amp" in result:
+        print(f"  amp: {result['amp']}")
     if "bad_input" in result:
         bad = result["bad_input"]
         print(f"  bad input: host batches moved {bad['host_batches_moved']}, split network refused naming both "

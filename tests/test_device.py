@@ -181,6 +181,8 @@ def test_gpu_bench_runs_on_cpu_quick(tmp_path, capsys):
     assert all(run["reload_identical"] and run["checks"] >= 1 for run in result["fit"].values())
     assert all(result["fit"][p]["grew"] >= 1 for p in ("32-true", "bf16-mixed"))  # growth forced
     assert {run["decision"] for run in result["fit"].values()} == {"rule", "stage_fork"}
+    assert result["amp"]["ignored_targets_max_abs_diff"] < 1e-6
+    assert all(result["amp"][p]["trials"] == 3 and not result["amp"][p]["diverged"] for p in ("32-true", "bf16-mixed"))
     assert all(run["param_devices"] == ["cpu"] for run in result["fit"].values())
     assert result["bad_input"]["host_batches_moved"] and result["bad_input"]["split_error_names_both"]
     assert result["retained"]["paper"]["leaked_tensors"] == 0
