@@ -242,9 +242,9 @@ def test_one_process_spends_no_extra_forward_pass_on_the_window(tmp_path, monkey
     import growtrain.callbacks.window_check as window_module
 
     def no_extra_pass(*args, **kwargs):
-        raise AssertionError("per_sample_losses ran: the probe pass's losses were not used")
+        raise AssertionError("probe_sample_losses ran: the probe pass's losses were not used")
 
-    monkeypatch.setattr(window_module, "per_sample_losses", no_extra_pass)
+    monkeypatch.setattr(window_module, "probe_sample_losses", no_extra_pass)
     grow = _fit(tmp_path, max_epochs=4)
     assert any("gain_frac" in h.get("window", {}) for h in grow.history)
     assert all(len(e["losses"]) == 120 for e in grow._window.entries)
