@@ -245,6 +245,9 @@ def test_the_window_verdict_equals_a_single_process_replay(ddp_runs):
     assert r0["growth_log_check1"] == []  # the first check waited: nothing grew before the second
     after = losses("pre_check1.pt", r0["growth_log_check1"])
     assert len(before) == len(after) == 91
+    # the kept losses, gathered from the two ranks' shards, are each sample's own, in the probe's order
+    kept = {e["epoch"]: torch.tensor(e["losses"], dtype=torch.float64) for e in r0["window_entries"]}
+    torch.testing.assert_close(kept[1], after.double(), rtol=1e-5, atol=1e-6)
     want = window_test(before.double(), after.double(), min_gain=0.0, level=second["level"], seed=second["check"])
     got = second["window"]
     assert got["n"] == 91
