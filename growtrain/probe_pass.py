@@ -27,6 +27,12 @@ from growtrain.ghosts import site_hooks as _site_hooks
 from growtrain.ghosts import split_batch as _split_batch
 from growtrain.growable import Site, terminal_parameters
 
+# The probe's loss scale under float16 autocast (a power of two: dividing back is exact). Activation
+# gradients of a batch-mean loss are small (about 1/B each) and underflow float16 below 6e-8; 2^10 lifts
+# them while a gradient would have to exceed 64 to overflow (65504 / 2^10). bfloat16 has float32's
+# exponent range: no scale.
+FP16_LOSS_SCALE = 2.0**10
+
 
 # -- per-site accumulation -----------------------------------------------------------------
 class SiteAccumulator:
@@ -359,6 +365,9 @@ def probe_pass(network, sites, candidates, loader, loss_fn, device, projected, a
     in this pass (``SiteAccumulator``), not in a pass of their own.
     """
     accs = [SiteAccumulator(candidates[s.name], projected, variance, calibrating) for s in sites]
+    # float16 autocast: the backward runs on loss × FP16_LOSS_SCALE and every gradient is divided back,
+    # as a 16-mixed training step's GradScaler does (small activation gradients underflow float16)
+    scale = FP16_LOSS_SCALE if autocast_dtype == torch.float16 else 1.0
     activations: list = [None] * len(sites)
     scored = [False] * len(sites)
     batch = {"index": 0, "size": 0, "offset": 0}
@@ -366,6 +375,8 @@ def probe_pass(network, sites, candidates, loader, loss_fn, device, projected, a
     def score(j: int, z: torch.Tensor, grad: torch.Tensor) -> None:
         with torch.no_grad():
             grad = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+            if scale != 1.0:
+                grad = grad / scale
             norm = torch.linalg.vector_norm(grad)  # one reduction: the finiteness check and AG's sums
             if not torch.isfinite(norm):
                 raise FloatingPointError(
@@ -411,11 +422,12 @@ def probe_pass(network, sites, candidates, loader, loss_fn, device, projected, a
             batch.update(index=b, size=_batch_size(y), offset=n)
             scored[:] = [False] * len(sites)
             if in_a:
-                grads = torch.autograd.grad(loss, activations + reference.params, allow_unused=True)
-                reference.update(grads[len(activations):], batch["size"])
+                grads = torch.autograd.grad(loss * scale, activations + reference.params, allow_unused=True)
+                reference.update([g if g is None or scale == 1.0 else g / scale for g in grads[len(activations):]],
+                                 batch["size"])  # fmt: skip
                 reference.track(False)
             else:
-                torch.autograd.grad(loss, activations, allow_unused=True)  # the hooks do the scoring
+                torch.autograd.grad(loss * scale, activations, allow_unused=True)  # the hooks do the scoring
             for j in range(len(sites)):
                 if not scored[j]:  # the loss does not depend on this site: its gradient is zero
                     score(j, activations[j], torch.zeros_like(activations[j]))

@@ -69,3 +69,29 @@ def test_the_windows_losses_come_from_one_precision_on_either_path(tmp_path):
     with torch.no_grad():
         fp32 = torch.cat([F.cross_entropy(model(x), y, reduction="none") for x, y in dm.probe_dataloader()]).double()
     assert float((fp32 - kept).abs().max()) > 1e-4  # float32 is another precision: the check above has teeth
+
+
+def test_the_probes_backward_is_loss_scaled_under_float16():
+    """float16 autocast (what 16-mixed probes under): a loss of small scale (here the cross-entropy
+    × 1e-3) has activation gradients below float16's range; the probe's backward is scaled, as a
+    16-mixed training step's is, and every site's gradient norm matches float32's (unscaled, they
+    came out 5–22 % off on this network, and 0 at × 1e-5)."""
+    from growtrain.models import cifar_resnet
+
+    torch.manual_seed(0)
+    net = cifar_resnet((1, 1, 1), 8, "preact", 3, 10).eval()
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(64, 3, 16, 16, generator=g), torch.randint(0, 10, (64,), generator=g)) for _ in range(4)]
+
+    def small(out, y):
+        return 1e-3 * F.cross_entropy(out, y)
+
+    for rule in ("paper", "crossfit", "relative"):
+        fp32 = measure_saturation(net, batches, small, rule=rule, projected=False)
+        fp16 = measure_saturation(net, batches, small, rule=rule, projected=False, autocast_dtype=torch.float16)
+        for site in net.sites():
+            a, b = fp32.record(site).grad_norm, fp16.record(site).grad_norm
+            assert abs(b - a) <= 0.02 * a, (rule, site, a, b)
+        if rule == "relative":  # the existing blocks' RMS gradient norm, from the parameters' gradients: a
+            # debiased difference of two sums, so float16's rounding moves it more (5 % here); unscaled it is 1024×
+            assert abs(fp16.reference - fp32.reference) <= 0.1 * fp32.reference, (fp32.reference, fp16.reference)
