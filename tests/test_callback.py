@@ -574,3 +574,18 @@ def test_a_validation_metric_whose_validation_never_runs_is_the_error_once_it_wa
     with pytest.raises(RuntimeError, match="monitor: metric 'val_loss' is not logged") as info:
         trainer.fit(ScriptedVal(width=4, num_classes=4), dm)
     assert trainer.current_epoch == 1 and grow._monitor.stale == 1  # epoch 0 waited, epoch 1 was due
+
+
+def test_a_probe_read_through_a_subset_sampler_is_refused_when_sharded():
+    """Under DDP the probe is sharded by position over its whole dataset: a DataLoader that reads
+    only part of it through its own sampler would have the rest scored too, so it is refused by
+    name; a sequential loader shards into disjoint shards that cover the dataset once."""
+    from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
+
+    from growtrain.callbacks.probe_data import shard_loader
+
+    data = TensorDataset(torch.arange(10.0), torch.arange(10))
+    with pytest.raises(TypeError, match=r"^probe: with 2 processes.*SubsetRandomSampler.*Fix: make the probe samples"):
+        shard_loader(DataLoader(data, batch_size=4, sampler=SubsetRandomSampler(range(5))), 0, 2)
+    shards = [[int(i) for _, y in shard_loader(DataLoader(data, batch_size=4), r, 2) for i in y] for r in (0, 1)]
+    assert shards == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Sampler, Subset
+from torch.utils.data import DataLoader, Sampler, SequentialSampler, Subset
 
 __all__ = ["probe_overlap", "refuse_random_probe", "ShardSampler", "shard_loader", "loaders_of", "datasets_of", "ProbeView",
            "first_input", "eval_output", "check_split_indices", "has_forward", "check_probe_setup", "probe_sample_losses"]
@@ -88,6 +88,13 @@ def shard_loader(loader: Any, rank: int, world_size: int) -> Any:
         )
     if loader.batch_size is None:
         raise TypeError("probe: a DataLoader with a custom batch_sampler cannot be sharded; pass batch_size instead")
+    if not isinstance(loader.sampler, SequentialSampler):  # the shards cover the whole dataset, in order
+        raise TypeError(
+            f"probe: with {world_size} processes the probe is sharded by position over its whole dataset, but this "
+            f"DataLoader reads it through a {type(loader.sampler).__name__}, which the shards would ignore (a subset "
+            "sampler's other samples would be scored too). Fix: make the probe samples the dataset itself "
+            "(torch.utils.data.Subset) and keep the default sequential order."
+        )
     return DataLoader(
         loader.dataset,
         batch_size=loader.batch_size,
