@@ -115,7 +115,10 @@ def train_block(
         module.eval()
         block.train()
         device = params[0].device if params else torch.device("cpu")
-        optimizer = torch.optim.Adam(params, lr=lr)
+        # float16 weights (16-true): Adam's default eps (1e-8) is 0 in float16 and its squared-gradient
+        # average underflows, so a step divides by zero; the dtype's own resolution keeps it finite
+        half = bool(params) and params[0].dtype == torch.float16
+        optimizer = torch.optim.Adam(params, lr=lr, eps=torch.finfo(torch.float16).eps if half else 1e-8)
         scaler = torch.amp.GradScaler(device.type, enabled=loss_scale)
         for x, y in batches:
             if done >= steps:

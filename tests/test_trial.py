@@ -147,17 +147,19 @@ def test_a_trial_trains_and_scores_under_the_trainers_precision(tmp_path):
 
 def test_a_trial_under_16_true_does_not_scale_the_loss(tmp_path):
     """precision="16-true" (half-precision weights, no loss scaling in Lightning): the trial does
-    not scale its loss either — unscaling half-precision gradients is an error in torch — and the
-    check completes with a verdict. (Its Adam in float16 diverges here, a failed trial that the
-    verdict names; 16-mixed or bf16-mixed keep float32 weights.)"""
+    not scale its loss either — unscaling half-precision gradients is an error in torch — and its
+    Adam takes an eps float16 can hold (the default 1e-8 is 0 there: every trial diverged), so the
+    trials train and the check decides as under 32-true (here: 7.4 / 3.1 / 4.4 % against 7.0 / 3.9 /
+    6.1 %, both grow)."""
     L.seed_everything(0)
     grow = GrowUntilSaturated(monitor=None, decision="trial", min_gain=0.01, max_growths=1, verbose=False)
     trainer = L.Trainer(max_epochs=1, precision="16-true", callbacks=[grow], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
                         default_root_dir=tmp_path)  # fmt: skip
     trainer.fit(ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3), tiny_dm())
-    (check,) = grow.history
-    assert check["trial"]["trials"] and check["action"] == "saturated"
+    check = grow.history[0]
+    trials = check["trial"]["trials"]
+    assert len(trials) == 3 and not any(t["diverged"] for t in trials) and check["action"] == "grow"
 
 
 def test_trial_test_matches_an_independent_computation():
