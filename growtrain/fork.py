@@ -161,7 +161,8 @@ def fork_verdict(test: dict | None, *, site: str | None, min_gain: float, horizo
                        "fork: no fork was open; the network and a copy with one more block now train on the same "
                        f"batches for {horizon}, then the held-out probe compares them")  # fmt: skip
     level = test["level"]
-    what = (f"with the block at {site}, {horizon} of the run's training lowered the held-out loss by "
+    what = (f"with the block at {site}, {horizon} of the run's training lowered the probe loss (samples held "
+            f"out from all training) by "
             f"{100 * test['gain_frac']:+.2f} % against the same training without it (at least "
             f"{100 * test['lower_frac']:+.2f} %, at most {100 * test['upper_frac']:+.2f} %, "
             f"{100 * (1 - level):.1f} % bounds, n={test['n']}{', both ' + scored if scored else ''})")  # fmt: skip

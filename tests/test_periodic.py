@@ -201,18 +201,24 @@ def test_the_window_state_survives_the_callbacks_checkpoint(tmp_path, always_pay
     assert fresh.growth_epochs == grow.growth_epochs == 5
 
 
-def test_the_converged_schedule_also_reserves_the_final_anneal(tmp_path):
-    """A stage that never plateaus (patience longer than the fit): the budget ends growth in time
-    for the final anneal instead of the fit ending mid-stage."""
-    L.seed_everything(0)
-    grow = GrowUntilSaturated(patience=50, anneal_epochs=2, on_saturated="anneal", verbose=False)
+def _converged_fit(tmp_path, grow, max_epochs=6) -> LrLog:
+    """Six epochs of the tiny ResNet under plain SGD at 0.1 (no scheduler) with ``grow``: the rates per epoch."""
     lr = LrLog()
-    trainer = L.Trainer(max_epochs=6, callbacks=[grow, lr], logger=False, enable_progress_bar=False,
+    trainer = L.Trainer(max_epochs=max_epochs, callbacks=[grow, lr], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
                         default_root_dir=tmp_path)  # fmt: skip
     model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3,
                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1))  # fmt: skip
     trainer.fit(model, tiny_dm())
+    return lr
+
+
+def test_the_converged_schedule_also_reserves_the_final_anneal(tmp_path):
+    """A stage that never plateaus (patience longer than the fit): the budget ends growth in time
+    for the final anneal instead of the fit ending mid-stage."""
+    L.seed_everything(0)
+    grow = GrowUntilSaturated(patience=50, anneal_epochs=2, on_saturated="anneal", verbose=False)
+    lr = _converged_fit(tmp_path, grow)
     assert [h["action"] for h in grow.history] == ["budget"] and grow.history[0]["epoch"] == 3
     assert lr.lrs[4:] == pytest.approx([0.1 * 0.5 * (1 + math.cos(math.pi * (k + 1) / 3)) for k in range(2)])
 
@@ -553,13 +559,7 @@ def test_the_bare_converged_default_anneals_each_stage_before_its_check(tmp_path
     grow = GrowUntilSaturated(patience=1, min_rel_delta=0.9, min_stage_epochs=1, anneal_epochs=3, min_gain=None,
                               max_growths=1, verbose=False)  # fmt: skip
     assert grow.lr_schedule is None  # resolved when training starts, against the module's optimizer
-    lr = LrLog()
-    trainer = L.Trainer(max_epochs=6, callbacks=[grow, lr], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
-                        default_root_dir=tmp_path)  # fmt: skip
-    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3,
-                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1))  # fmt: skip
-    trainer.fit(model, tiny_dm())
+    lr = _converged_fit(tmp_path, grow)
     assert grow.lr_schedule == "anneal"
     cosine = [0.1 * 0.5 * (1 + math.cos(math.pi * (k + 1) / 4)) for k in range(3)]
     assert lr.lrs[:2] == [0.1, 0.1] and lr.lrs[2:5] == pytest.approx(cosine)  # plateau at epoch 1, then the anneal

@@ -13,14 +13,19 @@ from typing import Any
 import torch
 from lightning.pytorch import Trainer
 
-__all__ = ["LrAnneal", "anneal_factor", "refuse_scheduler"]
+__all__ = ["LrAnneal", "anneal_factor", "refuse_scheduler", "schedulers_of"]
+
+
+def schedulers_of(trainer: Trainer, optimizer: torch.optim.Optimizer | None) -> list[str]:
+    """The class names of the trainer's schedulers bound to ``optimizer`` (by identity)."""
+    return [type(c.scheduler).__name__ for c in trainer.strategy.lr_scheduler_configs
+            if optimizer is not None and c.scheduler.optimizer is optimizer]  # fmt: skip
 
 
 def refuse_scheduler(trainer: Trainer, optimizer: torch.optim.Optimizer | None) -> None:
     """``lr_schedule="anneal"`` drives the rate itself: a scheduler on the network's optimizer would
     fight it, so it is refused at the start of training (before any step)."""
-    schedulers = [type(c.scheduler).__name__ for c in trainer.strategy.lr_scheduler_configs
-                  if optimizer is not None and c.scheduler.optimizer is optimizer]  # fmt: skip
+    schedulers = schedulers_of(trainer, optimizer)
     if schedulers:
         raise ValueError(
             f"lr_schedule: 'anneal' drives the learning rate itself (constant per stage, an anneal before each "

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 from growtrain import decision as dec
 from growtrain import schedule_rules
 from growtrain.callbacks import editor, guidance, probe_check, sharded, telemetry
-from growtrain.callbacks.anneal import LrAnneal, refuse_scheduler
+from growtrain.callbacks.anneal import LrAnneal, refuse_scheduler, schedulers_of
 from growtrain.callbacks.editor import FunctionChangedError
 from growtrain.callbacks.fork_check import PairedFork
 from growtrain.callbacks.growth_config import GrowthConfig
@@ -315,9 +315,7 @@ class GrowUntilSaturated(Callback):
         with a cosine to zero) is not credited with what annealing the network alone would give —
         unless the network's optimizer has a scheduler of its own, which would fight it: then
         ``"continue"``, said once."""
-        optimizer = editor.optimizer_for(trainer, self._network)
-        schedulers = [type(c.scheduler).__name__ for c in trainer.strategy.lr_scheduler_configs
-                      if optimizer is not None and c.scheduler.optimizer is optimizer]  # fmt: skip
+        schedulers = schedulers_of(trainer, editor.optimizer_for(trainer, self._network))
         resolved = "continue" if schedulers else "anneal"
         if schedulers:
             rank_zero_warn(
