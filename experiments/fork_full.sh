@@ -5,7 +5,7 @@
 #   experiments/fork_full.sh runs/fork_k2 0
 #   experiments/fork_full.sh runs/fork_k4 0 --trainer.callbacks.init_args.every_n_epochs=4
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-export OMP_NUM_THREADS=1
+export OMP_NUM_THREADS=${THREADS:-1}   # THREADS=2: the same run on two threads
 out=$1; job=$2; shift 2
 seed=${job%%:*}; split=0
 [[ $job == *:* ]] && split=${job#*:}

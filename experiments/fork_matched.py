@@ -89,6 +89,8 @@ def main() -> None:
     out = folder / "matched"
     for seed in args.seeds:
         row = rows[seed]
+        if not Path(row["checkpoint"]).exists():  # a row made on another machine (experiments/gpu_rows.sh)
+            row = {**row, "checkpoint": str(next(folder.glob(f"growth_*_seed{seed}")) / "final.ckpt")}
         forks = fork_flops(row, train_images=args.train_images, steps_per_epoch=args.steps_per_epoch,
                            probe_size=args.probe_size)  # fmt: skip
         budget = growth_flops(row, args.probe_size) + forks["arms"] + forks["scoring"]

@@ -38,6 +38,16 @@ def checks(history: list[dict]) -> str:
     return "; ".join(out)
 
 
+def data_sizes(split_dir: Path) -> tuple[int, int]:
+    """(training images, probe images) of the run's data (its saved config.yaml): the full
+    Fashion-MNIST's 60,000 less the probe and validation, capped by ``train_subset``."""
+    import yaml
+
+    data = yaml.safe_load((split_dir / "config.yaml").read_text())["data"]["init_args"]
+    train = 60000 - data["probe_size"] - data["val_size"]
+    return min(train, data.get("train_subset") or train), data["probe_size"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folders", nargs="+")
@@ -64,8 +74,12 @@ def main() -> None:
                     print(f"| {folder.name} (cut: history only) | {seed} | {split} | {checks(history)} | – | – | – | – |")
                     continue
                 shutil.copy(split_dir / "runs.jsonl", dest / "runs.jsonl")
-                forks = fork_flops(row, train_images=57000, steps_per_epoch=445, probe_size=2000)
-                probe = growth_flops(row, 2000) - row["flops"]
+                # rows made on another machine (experiments/gpu_rows.sh) name its paths: read them here
+                row = {**row, "checkpoint": str(Path(path).parent / "final.ckpt")}
+                train_images, probe_size = data_sizes(split_dir)
+                forks = fork_flops(row, train_images=train_images, steps_per_epoch=row["steps"] // row["epochs"],
+                                   probe_size=probe_size)
+                probe = growth_flops(row, probe_size) - row["flops"]
                 total = row["flops"] + forks["arms"] + forks["scoring"] + probe
                 parts = " + ".join(f"{v / 1e9:,.0f}" for v in (row["flops"], forks["arms"], forks["scoring"], probe))
                 print(f"| {folder.name} | {seed} | {split} | {checks(history)} | {row['blocks']} | {row['test_loss']:.4f} | "

@@ -44,7 +44,10 @@ def stage_sizes(row: dict, start=(1, 1, 1)) -> list[int]:
     sizes = list(start)
     for h in row["history"]:
         if h["action"] == "grow" and h.get("site"):
-            sizes[int(h["site"].split(".")[0].removeprefix("layer")) - 1] += 1
+            # a stage fork grows one block at each site its fork names ("layer1.0, layer2.1, layer3.1")
+            fork_site = (h.get("verdicts", {}).get("fork") or {}).get("site")
+            for site in (fork_site or h["site"]).split(", "):
+                sizes[int(site.split(".")[0].removeprefix("layer")) - 1] += 1
     return sizes
 
 
