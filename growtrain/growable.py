@@ -15,6 +15,7 @@ This module imports no Lightning.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol, Sequence, runtime_checkable
 
@@ -188,6 +189,32 @@ class GrowableMixin:
         # The inserted modules themselves, by identity (not registered twice as submodules).
         object.__setattr__(self, "_grown_blocks", [])
 
+    # -- the growth record travels in the state dict --------------------------------------
+    # nn.Module loads a module's own state (this override) before it recurses into its children,
+    # so a freshly built (ungrown) network handed a grown one's state dict inserts the recorded
+    # blocks here, and load_state_dict then fills them: torch.load + load_state_dict,
+    # load_from_checkpoint and a resumed fit rebuild the grown network with no module mixin.
+    def get_extra_state(self) -> str:
+        # one JSON string, not a nested dict: a distributed checkpoint (FSDP2) flattens nested
+        # containers into keys of their own, which an ungrown network's state dict would lack
+        return json.dumps({"growth": [dict(r) for r in self.growth_log]})
+
+    def set_extra_state(self, state: Any) -> None:
+        _growth_records(state)  # validated; the blocks were inserted in _load_from_state_dict
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):  # fmt: skip
+        state = state_dict.get(prefix + "_extra_state")
+        if state is not None:
+            records = _growth_records(state)
+            # Only when the weights name blocks this network lacks: a network built at the grown
+            # architecture (a scratch arm, a copy that grew the same blocks) loads them as it is.
+            have = {prefix + k for k in self.state_dict()}
+            if len(records) > len(self.growth_log) and not {k for k in state_dict if k.startswith(prefix)} <= have:
+                replay_growth(self, records)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)  # fmt: skip
+
     def first_site(self, stage: str) -> int:
         return 0
 
@@ -322,6 +349,20 @@ class GrowableMixin:
             del holder[next(j for j, m in enumerate(holder) if m is block)]
             del self._grown_blocks[max(j for j, g in enumerate(self._grown_blocks) if g is block)]
         del self.growth_log[log_len:]
+
+
+def _growth_records(state: Any) -> list[dict]:
+    """The records of a growable network's extra state (JSON of ``{"growth": [...]}``), checked."""
+    try:
+        records = json.loads(state).get("growth") if isinstance(state, str) else None
+    except (ValueError, AttributeError):
+        records = None
+    if not isinstance(records, list):
+        raise ValueError(
+            f"state_dict: a growable network's extra state must be the JSON of {{'growth': [records]}}, got {state!r}. "
+            "The checkpoint was not written by a growtrain network or is corrupted; nothing was loaded."
+        )
+    return records
 
 
 def grown_blocks(network: nn.Module) -> list[nn.Module]:

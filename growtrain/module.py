@@ -78,14 +78,16 @@ class WeightedMean(Metric):
 
 
 class GrowableModuleMixin:
-    """Save the growth record in checkpoints and replay it before the weights load.
-
-    Adopt it with one line, before ``LightningModule`` in the bases::
+    """Optional: growtrain's networks (``GrowableMixin``) carry their growth record in their own
+    state dict and rebuild themselves on ``load_state_dict``, so a plain LightningModule needs no
+    base class. This mixin adds a checkpoint-file check to ``load_from_checkpoint``, refuses a
+    sharded (FSDP2) resume that would load into the ungrown model, and replays the record from
+    ``checkpoint["growtrain"]`` for a network of your own that implements the growable protocol
+    without ``GrowableMixin``::
 
         class MyModule(GrowableModuleMixin, LightningModule): ...
 
-    Then ``MyModule.load_from_checkpoint(path)`` and ``trainer.fit(ckpt_path=path)`` rebuild
-    the grown network first. The growable network is ``getattr(self, growable_attr)`` when
+    The growable network is ``getattr(self, growable_attr)`` when
     ``growable_attr`` is set, else the first submodule with ``sites()`` and ``grow()``. If
     you override ``on_save_checkpoint``/``on_load_checkpoint``, call ``super()``.
     """

@@ -245,6 +245,9 @@ def test_the_custom_module_example_is_a_complete_file_that_grows(tmp_path, monke
     section = page[page.index("## Your own LightningModule"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert "class Block(nn.Module)" in code and "return x + self.fc2(" in code  # the block carries its skip
+    # a plain module: no growtrain base class, a plain optimizer over all its parameters
+    assert "GrowableModuleMixin" not in code and "class MyModule(L.LightningModule)" in code
+    assert "AdamW(self.parameters()" in code
     short = code.replace("L.Trainer(max_epochs=40, callbacks=[grow])",
                          "L.Trainer(max_epochs=18, callbacks=[grow], logger=False, enable_progress_bar=False, "
                          f"enable_model_summary=False, enable_checkpointing=False, default_root_dir={str(tmp_path)!r})")  # fmt: skip

@@ -194,7 +194,7 @@ def test_an_open_fork_leaves_the_runs_training_untouched(tmp_path):
     assert grow.history[1]["fork"]["arm_steps"] == 2 * trainer.num_training_batches  # a step per batch, 2 epochs
     plain, _ = fit(tmp_path, [], max_epochs=8)
     for a, b in zip(with_fork.state_dict().values(), plain.state_dict().values()):
-        assert torch.equal(a, b)
+        assert torch.equal(a, b) if torch.is_tensor(a) else a == b  # the growth record: plain data
 
 
 def test_the_arm_is_the_network_plus_its_block_trained_on_the_runs_batches(tmp_path, monkeypatch):
@@ -571,7 +571,7 @@ def test_an_open_fork_leaves_a_shared_head_and_the_random_stream_untouched(tmp_p
     assert any((h.get("fork") or {}).get("cooled") for h in grow.history)  # forks were judged, cooled
     plain = run([])
     for (name, a), (_, b) in zip(forked.state_dict().items(), plain.state_dict().items()):
-        assert torch.equal(a, b), name
+        assert torch.equal(a, b) if torch.is_tensor(a) else a == b, name
 
 
 def test_a_stage_fork_that_pays_but_does_not_fit_max_params_ends_growth_at_the_budget(tmp_path, monkeypatch):

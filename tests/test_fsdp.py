@@ -50,7 +50,8 @@ def runs(tmp_path_factory):
 
 
 def _params(out: Path, name: str) -> dict:
-    return torch.load(out / f"{name}_params.pt", weights_only=True)
+    """A run's gathered weights (the growth record, the network's extra state, is compared as each run's growth_log)."""
+    return {k: v for k, v in torch.load(out / f"{name}_params.pt", weights_only=True).items() if torch.is_tensor(v)}
 
 
 def _strip(history):

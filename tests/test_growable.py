@@ -37,7 +37,7 @@ def state(net: nn.Module):
     return (
         H.module_tree(net),
         copy.deepcopy(net.growth_log),
-        {k: v.clone() for k, v in net.state_dict().items()},
+        {k: v.clone() for k, v in net.state_dict().items() if torch.is_tensor(v)},
         {name: m.training for name, m in net.named_modules()},
     )
 

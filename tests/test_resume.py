@@ -116,7 +116,7 @@ def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, mode):
     a, b = full.state_dict(), resumed.state_dict()
     assert a.keys() == b.keys()
     for key in a:
-        assert torch.equal(a[key], b[key]), key
+        assert torch.equal(a[key], b[key]) if torch.is_tensor(a[key]) else a[key] == b[key], key
     opt_a, opt_b = full_trainer.optimizers[0], resumed_trainer.optimizers[0]
     assert [g["name"] for g in opt_a.param_groups] == [g["name"] for g in opt_b.param_groups] == ["base", "growth0", "growth1"]
     assert [g["lr"] for g in opt_a.param_groups] == [g["lr"] for g in opt_b.param_groups]

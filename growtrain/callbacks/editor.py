@@ -18,9 +18,9 @@ from growtrain.batches import to_device
 from growtrain.callbacks import sharded
 from growtrain.callbacks.probe_data import ProbeView, eval_output
 from growtrain.growable import grown_blocks, insertion_order, insertion_tolerance
-from growtrain.reconfigure import reconfigure_optimizer
+from growtrain.reconfigure import add_param_groups, continue_schedulers, new_param_groups, reconfigure_optimizer
 
-__all__ = ["FunctionChangedError", "insertion_order", "grow", "optimizer_for", "rewrap_ddp"]
+__all__ = ["FunctionChangedError", "insertion_order", "grow", "optimizer_for", "regroup_grown", "rewrap_ddp"]
 
 
 class FunctionChangedError(RuntimeError):
@@ -85,6 +85,50 @@ def optimizer_for(trainer: Trainer, network: nn.Module | None):
     if trainer.optimizers:
         rank_zero_warn("GrowUntilSaturated: no optimizer holds the network's parameters; new blocks were not added")
     return None
+
+
+def _is_growth_group(group: dict) -> bool:
+    return str(group.get("name") or "").startswith("growth")
+
+
+def regroup_grown(trainer: Trainer, pl_module: LightningModule, network: nn.Module) -> int:
+    """Give a grown network's blocks the optimizer groups growth gave them, at fit start.
+
+    Growth adds each block's parameters to the optimizer as new groups (``growth{k}``, zero
+    state) after the existing ones, and a checkpoint's optimizer state lines up with that layout
+    by position. A plain ``configure_optimizers`` over ``self.parameters()`` of the grown network
+    (a resumed fit, or a fit of a grown model) puts the blocks' parameters in its own groups
+    instead. Lightning calls ``on_fit_start`` after ``configure_optimizers`` and before it
+    restores the optimizer state, so the callback moves them here (matched by identity), in
+    growth order, and extends the schedulers' per-group lists. Returns the number of groups
+    added: 0 when the layout is growth's already (``growtrain.optim.param_groups`` builds it)."""
+    blocks = grown_blocks(network)
+    optimizer = optimizer_for(trainer, network)
+    if not blocks or optimizer is None:
+        return 0
+    in_growth = {id(p) for g in optimizer.param_groups if _is_growth_group(g) for p in g["params"]}
+    misplaced = [b for b in blocks if any(id(p) not in in_growth for p in b.parameters() if p.requires_grad)]
+    if not misplaced:
+        return 0
+    first = next(k for k, b in enumerate(blocks) if b is misplaced[0])
+    moved = {id(p) for b in misplaced for p in b.parameters()}
+    has_state = any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"] if id(p) in moved)
+    if has_state or len(misplaced) != len(blocks) - first:  # only the later blocks can move to the end, state-free
+        rank_zero_warn("GrowUntilSaturated: the grown blocks' parameters are in the optimizer's own groups and cannot "
+                       "be moved to growth groups at fit start (they have optimizer state, or later blocks already "
+                       "have growth groups); their groups were left as they are, so a resumed fit may not line up "
+                       "the saved optimizer state. Fix: build the optimizer from growtrain.optim.param_groups(network).")
+        return 0
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) not in moved]
+    groups, refs = [], []
+    for k, block in enumerate(blocks[first:], first):
+        new, ref = new_param_groups(pl_module, block, k, optimizer)
+        groups += new
+        refs += ref
+    add_param_groups(optimizer, groups)
+    continue_schedulers(trainer.strategy.lr_scheduler_configs, refs, optimizer)
+    return len(groups)
 
 
 def rewrap_ddp(trainer: Trainer) -> None:

@@ -106,7 +106,8 @@ def _copy(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[n
 
 
 def _cpu(module: nn.Module) -> dict:
-    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    # non-tensor entries (a growable network's growth record, its extra state) copied as they are
+    return {k: v.detach().cpu().clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in module.state_dict().items()}
 
 
 class PairedFork:

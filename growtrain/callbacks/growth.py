@@ -15,8 +15,11 @@ Three parts, each with one interface (docs/design.md draws one check's data flow
 The hooks only gather inputs and call these parts, so every rank that sees the same all-reduced
 probe sums takes the same action. Options are validated once, in ``GrowthConfig``.
 
-What a checkpoint holds: the module's ``GrowableModuleMixin`` stores the growth record and
-replays it before the weights load; this callback's ``state_dict`` keeps its counters and history
+What a checkpoint holds: the network's state dict carries its growth record (its extra state)
+and rebuilds the grown blocks before they load, for any module; this callback also writes the
+record to ``checkpoint["growtrain"]`` (what an FSDP2 resume reads before the shards load), at
+fit start gives a grown network's blocks growth's optimizer groups (a plain optimizer over
+``self.parameters()`` lines up with the saved state), and its ``state_dict`` keeps its counters and history
 and each part's own state. Candidate blocks are seeded by check index (``seed·1000 + check``), so
 a resumed run inserts exactly the blocks an uninterrupted run would.
 """
@@ -74,9 +77,9 @@ class GrowUntilSaturated(Callback):
     first-order site until the run's own probe loss has not fallen by a certified ``min_gain`` over
     the last ``window`` epochs (``decision="window"``), then one final anneal. docs/callback.md has a
     row per option with the measurement behind it. Your own LightningModule: keep the growable network
-    as a submodule (``cifar_resnet``, ``GrowableStack``), add ``GrowableModuleMixin`` for checkpoints,
-    build the optimizer from ``growtrain.optim.param_groups(network)``, log ``train_loss`` per epoch,
-    and give a probe (``probe=`` or ``datamodule.probe_dataloader()``) that never feeds training.
+    as a submodule (``cifar_resnet``, ``GrowableStack``; no base class, any optimizer over
+    ``self.parameters()``), log ``train_loss`` per epoch, and give a probe (``probe=`` or
+    ``datamodule.probe_dataloader()``) that never feeds training.
 
     Args (one row each, with the measurement behind it, in docs/callback.md):
         probe: held-out DataLoader of ``(input, target)`` in a fixed order, or a callable returning
@@ -282,6 +285,17 @@ class GrowUntilSaturated(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._fit_start = time.perf_counter()
         self._monitor.fit_start()
+        # a plain optimizer over self.parameters() of a grown network: growth's groups, before Lightning
+        # restores a checkpoint's optimizer state by position (this hook runs between the two)
+        network = self._network or self._resolve_network(pl_module, required=False)
+        if network is not None:
+            editor.regroup_grown(trainer, pl_module, network)
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # The growth record beside the weights, for any module (the network's extra state carries it in the state
+        # dict too): an FSDP2 resume reads it from a sharded checkpoint's metadata before the shards load.
+        if self._network is not None:
+            checkpoint["growtrain"] = {"growth": [dict(r) for r in self._network.growth_log]}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._network is None:

@@ -162,6 +162,6 @@ class EpochTrace(Callback):
             self._best = loss
             self.directory.mkdir(parents=True, exist_ok=True)
             weights = f"epoch{trainer.current_epoch:04d}.pt"
-            torch.save({k: v.detach().cpu() for k, v in pl_module.state_dict().items()}, self.directory / weights)
+            torch.save({k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in pl_module.state_dict().items()}, self.directory / weights)
         params = sum(p.numel() for p in pl_module.parameters())  # tells pre-growth epochs apart
         self.records.append({"epoch": trainer.current_epoch, "train_loss": loss, "lr": lr, "weights": weights, "params": params})

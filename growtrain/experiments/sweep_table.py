@@ -119,7 +119,7 @@ class EpochWeights(Callback):
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"epoch{trainer.current_epoch}.pt"
-        torch.save({k: v.detach().cpu() for k, v in pl_module.state_dict().items()}, path)
+        torch.save({k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in pl_module.state_dict().items()}, path)
         self.records = [r for r in self.records if r["epoch"] != trainer.current_epoch]
         self.records.append({"epoch": trainer.current_epoch, "lr": self._lr, "weights": str(path)})
 
@@ -134,6 +134,8 @@ def weights_digest(module: torch.nn.Module) -> str:
     """A digest of the module's parameters and buffers (which initialisation it starts from)."""
     h = hashlib.sha1()
     for key, value in module.state_dict().items():
+        if not torch.is_tensor(value):  # a growable network's growth record: not weights
+            continue
         h.update(key.encode())
         h.update(value.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
