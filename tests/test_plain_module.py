@@ -2,7 +2,7 @@
 grown by the callback: its checkpoint restores by ``torch.load`` + ``load_state_dict`` into a
 fresh module and by ``load_from_checkpoint``, with the grown network's outputs, and a fit cut
 after a growth resumes into the uninterrupted run (the same weights, bit for bit, and the same
-optimizer layout and state). Tiny CPU runs; about twenty seconds.
+optimizer layout and state) on a plain shuffling loader, with no RandomStateCheckpoint added. Tiny CPU runs; about twenty seconds.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, Sampler
 
 from growtrain.callbacks import GrowUntilSaturated
 from growtrain.data import ImageDataModule
-from growtrain.data.datamodule import _as_batch
 from growtrain.growable import grown_blocks
 from growtrain.models import cifar_resnet
 
@@ -51,29 +49,6 @@ class PlainModule(L.LightningModule):
         return [optimizer], [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 0.8**epoch)]
 
 
-class EpochSampler(Sampler[int]):
-    """A shuffle that depends on the epoch only, so a resumed fit sees the same batches."""
-
-    def __init__(self, length: int):
-        self.length, self.epoch = length, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        return iter(torch.randperm(self.length, generator=torch.Generator().manual_seed(self.epoch)).tolist())
-
-    def __len__(self) -> int:
-        return self.length
-
-
-class Data(ImageDataModule):
-    def train_dataloader(self) -> DataLoader:
-        ds = self._subset("train", self.train_indices, train=True)
-        return DataLoader(ds, batch_size=self.batch_size, sampler=EpochSampler(len(ds)), drop_last=True,
-                          collate_fn=_as_batch)  # fmt: skip
-
-
 class Crash(L.Callback):
     def on_train_epoch_start(self, trainer, pl_module):
         if trainer.current_epoch == 3:
@@ -82,7 +57,9 @@ class Crash(L.Callback):
 
 def _fit(root: Path, *, crash: bool = False, ckpt: str | None = None, scheduler: bool = False):
     L.seed_everything(0)
-    data = Data(dataset="synthetic", image_size=8, synthetic_size=240, synthetic_classes=4, probe_size=48,
+    # a plain shuffling loader (torch's global generator) and no RandomStateCheckpoint: the callback keeps
+    # the random state in the checkpoint itself, so the resumed fit draws the uncut fit's batches
+    data = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=240, synthetic_classes=4, probe_size=48,
                 val_size=16, batch_size=32, augment=False)  # fmt: skip
     module = PlainModule(scheduler)
     # t tiny: each check (the ends of epochs 1 and 3) grows one block

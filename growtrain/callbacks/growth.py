@@ -44,6 +44,7 @@ from growtrain.callbacks.fork_check import PairedFork
 from growtrain.callbacks.growth_config import GrowthConfig
 from growtrain.callbacks.monitor import StageMonitor
 from growtrain.callbacks.probe_data import Converted, Fingerprinted, check_probe_setup, first_input
+from growtrain.callbacks.rng_state import RandomStateCheckpoint
 from growtrain.callbacks.schedule import CheckSchedule, steps_per_epoch
 from growtrain.callbacks.rule_check import FirstOrderRule
 from growtrain.callbacks.trial_check import BlockTrials
@@ -200,6 +201,7 @@ class GrowUntilSaturated(Callback):
         self._pass_losses: list | None = None  # per-sample probe losses from the last pass (window)
         self._pass_probe: Fingerprinted | None = None  # the last pass's probe, with its sample fingerprints
         self._fit_start = 0.0
+        self._rng_state: RandomStateCheckpoint | None = None  # set per fit in setup
 
     # -- checkpoint state ------------------------------------------------------------------
     def _reset_state(self) -> None:
@@ -268,6 +270,12 @@ class GrowUntilSaturated(Callback):
         if stage != "fit":
             return
         sharded.check_strategy(trainer)
+        # The random state in every checkpoint, back on resume, so a resumed fit draws the uninterrupted fit's
+        # batches (and makes its checks): RandomStateCheckpoint's work, done here unless the trainer has one of its
+        # own (growtrain's trainers add it), by the first GrowUntilSaturated only.
+        first = next(cb for cb in trainer.callbacks if isinstance(cb, GrowUntilSaturated))
+        own = any(isinstance(cb, RandomStateCheckpoint) for cb in trainer.callbacks)
+        self._rng_state = RandomStateCheckpoint() if first is self and not own else None
         if self._fork is not None and sharded.is_model_parallel(trainer.strategy):
             raise RuntimeError("strategy: decision='fork' trains a full copy of the network beside the run, which is "
                                "not sharded under FSDP2 (ModelParallelStrategy). Fix: use strategy='ddp' or one device, "
@@ -296,8 +304,16 @@ class GrowUntilSaturated(Callback):
         # dict too): an FSDP2 resume reads it from a sharded checkpoint's metadata before the shards load.
         if self._network is not None:
             checkpoint["growtrain"] = {"growth": [dict(r) for r in self._network.growth_log]}
+        if self._rng_state is not None:
+            self._rng_state.on_save_checkpoint(trainer, pl_module, checkpoint)
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self._rng_state is not None:
+            self._rng_state.on_load_checkpoint(trainer, pl_module, checkpoint)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._rng_state is not None:  # a mid-epoch checkpoint: its states now (rng_state.py says why)
+            self._rng_state.on_train_start(trainer, pl_module)
         if self._network is None:
             self._network = self._resolve_network(pl_module, required=True)
         if self.start_depth is None:
@@ -355,6 +371,8 @@ class GrowUntilSaturated(Callback):
 
     # -- hooks: the schedule ---------------------------------------------------------------
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._rng_state is not None:  # first: a resumed fit's generators, before anything draws
+            self._rng_state.on_train_epoch_start(trainer, pl_module)
         if self.restart_pending:
             optimizer = editor.optimizer_for(trainer, self._network)
             if optimizer is not None:
@@ -410,6 +428,8 @@ class GrowUntilSaturated(Callback):
 
     # -- the end of the fit ----------------------------------------------------------------
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._rng_state is not None:
+            self._rng_state.on_fit_end(trainer, pl_module)
         if self._network is None:
             return
         written = bool(self.history)
@@ -447,6 +467,8 @@ class GrowUntilSaturated(Callback):
         collective under DDP, which an interrupted rank may never join."""
         if isinstance(exception, KeyboardInterrupt) and trainer.world_size == 1:
             self.on_fit_end(trainer, pl_module)
+        if self._rng_state is not None:  # Ctrl-C: the command that resumes the fit, after the summary
+            self._rng_state.on_exception(trainer, pl_module, exception)
 
     # -- one check -------------------------------------------------------------------------
     def _check(self, trainer: Trainer, pl_module: LightningModule, annealed: bool = False) -> str:

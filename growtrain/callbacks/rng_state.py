@@ -163,7 +163,8 @@ class RandomStateCheckpoint(Callback):
     """Save the random state in every checkpoint; restore it when a fit resumes from one.
 
     ``growtrain``'s trainers (the CLI's, and every trainer an experiment builds) add it by
-    themselves; add it to a plain ``lightning.Trainer`` to get the same::
+    themselves, and ``GrowUntilSaturated`` runs one of its own in a trainer that has none; add it
+    to a plain ``lightning.Trainer`` without the growth callback to get the same::
 
         trainer = L.Trainer(callbacks=[GrowUntilSaturated(...), RandomStateCheckpoint()])
         trainer.fit(model, data, ckpt_path="…/last.ckpt")
