@@ -272,3 +272,36 @@ def test_ctrl_c_prints_the_growth_summary_before_the_command(tmp_path, ctrl_c_in
     summary = "\n".join(printed)
     assert re.search(r"GrowUntilSaturated: depth 3 → \d", summary) and "check" in summary  # the fit so far
     assert "growtrain: the fit was interrupted (Ctrl-C)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("config", ["configs/quickstart.yaml", "configs/resnet.yaml", "configs/paper/gpt2_small.yaml"])
+def test_the_shipped_configs_last_ckpt_is_the_last_epoch_even_when_the_monitor_does_not_improve(config, tmp_path):
+    """The configs' checkpoint callbacks, as written, on a run whose train_loss rises every epoch:
+    last.ckpt (what the resume command names) must be the last epoch's, not the best one's (a
+    monitored ModelCheckpoint writes save_last only on the epochs it saves a top-k file)."""
+    import lightning as L
+    import yaml
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    specs = [c for c in yaml.safe_load((CONFIGS.parent / config).read_text())["trainer"]["callbacks"]
+             if c["class_path"].endswith("ModelCheckpoint")]  # fmt: skip
+    assert specs
+    callbacks = [ModelCheckpoint(dirpath=tmp_path, **spec.get("init_args", {})) for spec in specs]
+
+    class Rising(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, batch_idx):
+            self.log("train_loss", float(self.current_epoch), on_step=False, on_epoch=True)  # worse every epoch
+            return (self.w * batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(max_epochs=3, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(Rising(), DataLoader(TensorDataset(torch.ones(4, 1)), batch_size=2))
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["epoch"] == 2  # the third epoch's
