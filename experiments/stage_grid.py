@@ -120,7 +120,7 @@ def main() -> None:
     for arm, ds in sorted(deltas.items()):
         print("\n" + paired_interval(arm, ds))
 
-    # what a user would do instead (the item 6): scratch at a generous depth (10 blocks)
+    # what a user would do instead: scratch at a generous depth (10 blocks)
     # and at d* (7), the sweep's own plateau-stopped runs of the same seed and split
     sweep = {(r["seed"], r["blocks"]): r for r in sweep_rows(args.sweep)}
     print("\n| run | device | seed | growth (blocks, test loss, GFLOP) | scratch 10 blocks (test, GFLOP) | growth − it | "

@@ -1,4 +1,4 @@
-"""Successive halving over depths: what a user would do instead of growth (the depth issue, item 6).
+"""Successive halving over depths: what a user would do instead of growth.
 
 Eight ResNets of 3–10 blocks (width 8, the sweep's cyclic assignment of added blocks) train from
 scratch under the sweep's optimizer (SGD 0.05, momentum 0.9, weight decay 5e-4, batch 128, a
