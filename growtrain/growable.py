@@ -209,9 +209,10 @@ class GrowableMixin:
             records = _growth_records(state)
             # Only when the weights name blocks this network lacks: a network built at the grown
             # architecture (a scratch arm, a copy that grew the same blocks) loads them as it is.
-            have = {prefix + k for k in self.state_dict()}
-            if len(records) > len(self.growth_log) and not {k for k in state_dict if k.startswith(prefix)} <= have:
-                replay_growth(self, records)
+            if len(records) > len(self.growth_log):
+                have = {prefix + k for k in self.state_dict()}  # names only: the tensors are not copied
+                if not {k for k in state_dict if k.startswith(prefix)} <= have:
+                    replay_growth(self, records)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)  # fmt: skip
 
