@@ -34,7 +34,8 @@ def main(out: Path) -> dict:
     torch.set_num_threads(1)
     L.seed_everything(0)
     grow = GrowUntilSaturated()  # the defaults, nothing else
-    last = ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=0, every_n_epochs=1)
+    # the latest epoch and last.ckpt linking it (save_top_k=0 would write last.ckpt only when the fit ends)
+    last = ModelCheckpoint(dirpath=out / "checkpoints", save_last="link", save_top_k=1, every_n_epochs=1)
     trainer = L.Trainer(max_epochs=100, callbacks=[grow, last], logger=CSVLogger(out, name="logs"),
                         default_root_dir=out, enable_progress_bar=False)  # fmt: skip
     module, data = ImageClassifier(in_channels=1), ImageDataModule()

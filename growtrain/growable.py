@@ -213,8 +213,19 @@ class GrowableMixin:
                 have = {prefix + k for k in self.state_dict()}  # names only: the tensors are not copied
                 if not {k for k in state_dict if k.startswith(prefix)} <= have:
                     replay_growth(self, records)
+                elif _sharded(self):  # a distributed load filled only the keys this ungrown model has
+                    raise RuntimeError(
+                        f"state_dict: it records {len(records)} growth(s) but this FSDP2-sharded network has "
+                        f"{len(self.growth_log)}, and a distributed checkpoint loads only the keys the model has: "
+                        "the weights would sit at the wrong depth. Fix: load it with GrowUntilSaturated in the "
+                        "trainer's callbacks (it grows the model to the checkpoint's depth before the shards load), "
+                        "or grow the network with growtrain.replay_growth before sharding it."
+                    )
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)  # fmt: skip
+        if state is None and prefix + "_extra_state" in missing_keys:
+            # no record: the weights of a network never grown, or of one outside growtrain; nothing to replay
+            missing_keys.remove(prefix + "_extra_state")
 
     def first_site(self, stage: str) -> int:
         return 0
@@ -364,6 +375,12 @@ def _growth_records(state: Any) -> list[dict]:
             "The checkpoint was not written by a growtrain network or is corrupted; nothing was loaded."
         )
     return records
+
+
+def _sharded(module: nn.Module) -> bool:
+    from growtrain.fsdp import is_sharded  # lazily: building a network needs no torch.distributed
+
+    return is_sharded(module)
 
 
 def grown_blocks(network: nn.Module) -> list[nn.Module]:

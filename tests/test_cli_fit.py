@@ -63,7 +63,7 @@ def test_fit_quickstart_config_tiny(tmp_path):
     # the datamodule decided the head and the stem (linked at instantiation)
     assert cli.model.network.fc.out_features == 4 and cli.model.network.stem.in_channels == 3
     checkpoints = {p.name for p in tmp_path.rglob("*.ckpt")}
-    assert checkpoints == {"last.ckpt", "best_train.ckpt"}
+    assert checkpoints == {"last.ckpt", "best_train.ckpt", "epoch=2-step=6.ckpt"}  # last.ckpt links the latest epoch's
     assert (tmp_path / "config.yaml").is_file()
     hparams = torch.load(next(tmp_path.rglob("last.ckpt")), weights_only=True)["hyper_parameters"]
     assert hparams["optimizer"]["class_path"] == "torch.optim.SGD"  # the config, as plain data
@@ -134,8 +134,9 @@ def test_resnet_config_is_the_paper_recipe():
     assert dict(scheduler.milestones) == {100: 1, 150: 1} and scheduler.gamma == 0.1
     (stopper,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "TrainLossEarlyStopping"]
     assert (stopper.start_epoch, stopper.patience, abs(stopper.min_delta)) == (180, 30, 1e-4)
-    (checkpoint,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "ModelCheckpoint"]
-    assert (checkpoint.monitor, checkpoint.save_last, checkpoint.filename) == ("train_loss", True, "best_train")
+    best, latest = [c for c in cli.trainer.callbacks if type(c).__name__ == "ModelCheckpoint"]
+    assert (best.monitor, best.save_top_k, best.filename) == ("train_loss", 1, "best_train")  # best_train ...
+    assert (latest.monitor, latest.save_last) == (None, "link")  # ... and last
 
 
 def test_help_exits_cleanly(capsys):

@@ -108,6 +108,33 @@ def test_a_plain_modules_grown_checkpoint_loads_into_a_fresh_module(full):
     torch.testing.assert_close(_outputs(loaded), _outputs(module), rtol=0, atol=0)
 
 
+def test_an_ungrown_networks_weights_without_a_record_load_strictly():
+    """No record (a network never grown, or weights from outside growtrain): nothing to replay, and
+    the missing extra state is not an error."""
+    source = PlainModule()
+    state = {k: v for k, v in source.state_dict().items() if not k.endswith("_extra_state")}
+    fresh = PlainModule()
+    fresh.load_state_dict(state)  # strict
+    torch.testing.assert_close(_outputs(fresh), _outputs(source), rtol=0, atol=0)
+
+
+def test_a_fresh_fit_of_a_grown_plain_module_keeps_the_users_optimizer_groups(full, tmp_path):
+    """Not a resume: the user's configure_optimizers layout is theirs (every parameter in their one
+    group), and the callback records where the fit's checkpoints went (the Ctrl-C message reads it)."""
+    root, module, _, scheduler = full
+    grown = PlainModule.load_from_checkpoint(root / "last.ckpt", scheduler=scheduler)
+    data = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=240, synthetic_classes=4, probe_size=48,
+                           val_size=16, batch_size=32, augment=False)  # fmt: skip
+    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, max_growths=0, lr_schedule="continue", verbose=False)
+    trainer = L.Trainer(max_epochs=1, callbacks=[grow, ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(grown, data)
+    (group,) = trainer.optimizers[0].param_groups
+    assert {id(p) for p in group["params"]} == {id(p) for p in grown.parameters()}
+    assert grow.last_save is not None and grow.last_save["epoch"] == 0
+
+
 def test_a_grown_state_dict_without_its_growth_record_does_not_load_silently(full):
     _, module, _, _ = full
     state = {k: v for k, v in module.state_dict().items() if not k.endswith("_extra_state")}

@@ -7,6 +7,7 @@ Functions over the trainer and the module; the callback keeps only its counters.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable, Mapping
 
 from lightning.pytorch import LightningModule, Trainer
@@ -87,47 +88,51 @@ def optimizer_for(trainer: Trainer, network: nn.Module | None):
     return None
 
 
-def _is_growth_group(group: dict) -> bool:
-    return str(group.get("name") or "").startswith("growth")
+def _growth_index(name: Any) -> int | None:
+    match = re.fullmatch(r"growth(\d+)(/.*)?", str(name))
+    return int(match.group(1)) if match else None
 
 
-def regroup_grown(trainer: Trainer, pl_module: LightningModule, network: nn.Module) -> int:
-    """Give a grown network's blocks the optimizer groups growth gave them, at fit start.
+def regroup_grown(trainer: Trainer, pl_module: LightningModule, network: nn.Module,
+                  saved: list[list[Any]] | None) -> int:  # fmt: skip
+    """Give a resumed fit's optimizer the groups growth gave the checkpoint's (``saved``: each
+    saved optimizer's group names, from the checkpoint; ``None`` when the fit resumes nothing).
 
     Growth adds each block's parameters to the optimizer as new groups (``growth{k}``, zero
-    state) after the existing ones, and a checkpoint's optimizer state lines up with that layout
-    by position. A plain ``configure_optimizers`` over ``self.parameters()`` of the grown network
-    (a resumed fit, or a fit of a grown model) puts the blocks' parameters in its own groups
-    instead. Lightning calls ``on_fit_start`` after ``configure_optimizers`` and before it
-    restores the optimizer state, so the callback moves them here (matched by identity), in
-    growth order, and extends the schedulers' per-group lists. Returns the number of groups
-    added: 0 when the layout is growth's already (``growtrain.optim.param_groups`` builds it)."""
+    state) after the existing ones, and the checkpoint's optimizer state lines up with that layout
+    by position. A plain ``configure_optimizers`` over ``self.parameters()`` of the rebuilt grown
+    network puts those blocks' parameters in its own groups instead. Lightning calls
+    ``on_fit_start`` after ``configure_optimizers`` and before it restores the optimizer state, so
+    the callback moves them here (matched by identity) into the growth groups the checkpoint has,
+    in its order, and extends the schedulers' per-group lists (their saved values load next).
+    Returns the number of groups added: 0 when the layout is the checkpoint's already
+    (``growtrain.optim.param_groups`` builds it) or the fit resumes nothing."""
     blocks = grown_blocks(network)
     optimizer = optimizer_for(trainer, network)
-    if not blocks or optimizer is None:
+    if not saved or not blocks or optimizer is None or trainer.optimizers.index(optimizer) >= len(saved):
         return 0
-    in_growth = {id(p) for g in optimizer.param_groups if _is_growth_group(g) for p in g["params"]}
-    misplaced = [b for b in blocks if any(id(p) not in in_growth for p in b.parameters() if p.requires_grad)]
-    if not misplaced:
-        return 0
-    first = next(k for k, b in enumerate(blocks) if b is misplaced[0])
-    moved = {id(p) for b in misplaced for p in b.parameters()}
-    has_state = any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"] if id(p) in moved)
-    if has_state or len(misplaced) != len(blocks) - first:  # only the later blocks can move to the end, state-free
-        rank_zero_warn("GrowUntilSaturated: the grown blocks' parameters are in the optimizer's own groups and cannot "
-                       "be moved to growth groups at fit start (they have optimizer state, or later blocks already "
-                       "have growth groups); their groups were left as they are, so a resumed fit may not line up "
-                       "the saved optimizer state. Fix: build the optimizer from growtrain.optim.param_groups(network).")
-        return 0
+    names = saved[trainer.optimizers.index(optimizer)]
+    ks = sorted({k for k in map(_growth_index, names) if k is not None})
+    if not ks or any(_growth_index(g.get("name")) is not None for g in optimizer.param_groups):
+        return 0  # nothing grown then, or growth's groups built already
+    if ks[-1] >= len(blocks):
+        return 0  # the checkpoint's layout names blocks this network does not have: Lightning's load says so
+    moved = {id(p) for k in ks for p in blocks[k].parameters()}
+    if any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"] if id(p) in moved):
+        return 0  # state already: not a fresh configure_optimizers
     for group in optimizer.param_groups:
         group["params"] = [p for p in group["params"] if id(p) not in moved]
     groups, refs = [], []
-    for k, block in enumerate(blocks[first:], first):
-        new, ref = new_param_groups(pl_module, block, k, optimizer)
+    for k in ks:
+        new, ref = new_param_groups(pl_module, blocks[k], k, optimizer)
         groups += new
         refs += ref
     add_param_groups(optimizer, groups)
     continue_schedulers(trainer.strategy.lr_scheduler_configs, refs, optimizer)
+    if [g.get("name") for g in optimizer.param_groups] != list(names):
+        rank_zero_warn(f"GrowUntilSaturated: the resumed optimizer's groups {[g.get('name') for g in optimizer.param_groups]} "
+                       f"do not line up with the checkpoint's {list(names)}; Lightning's restore of the optimizer "
+                       "state may fail or misplace it. Fix: build the optimizer from growtrain.optim.param_groups(network).")
     return len(groups)
 
 

@@ -202,6 +202,8 @@ class GrowUntilSaturated(Callback):
         self._pass_probe: Fingerprinted | None = None  # the last pass's probe, with its sample fingerprints
         self._fit_start = 0.0
         self._rng_state: RandomStateCheckpoint | None = None  # set per fit in setup
+        self._saved_groups: list[list[Any]] | None = None  # a resumed checkpoint's optimizer group names
+        self._first = True  # the first GrowUntilSaturated of its trainer (set in setup)
 
     # -- checkpoint state ------------------------------------------------------------------
     def _reset_state(self) -> None:
@@ -273,7 +275,9 @@ class GrowUntilSaturated(Callback):
         # The random state in every checkpoint, back on resume, so a resumed fit draws the uninterrupted fit's
         # batches (and makes its checks): RandomStateCheckpoint's work, done here unless the trainer has one of its
         # own (growtrain's trainers add it), by the first GrowUntilSaturated only.
-        first = next(cb for cb in trainer.callbacks if isinstance(cb, GrowUntilSaturated))
+        self._saved_groups = None  # a resumed fit's come with on_load_checkpoint, after this hook
+        first = next((cb for cb in trainer.callbacks if isinstance(cb, GrowUntilSaturated)), self)
+        self._first = first is self
         own = any(isinstance(cb, RandomStateCheckpoint) for cb in trainer.callbacks)
         self._rng_state = RandomStateCheckpoint() if first is self and not own else None
         if self._fork is not None and sharded.is_model_parallel(trainer.strategy):
@@ -297,17 +301,21 @@ class GrowUntilSaturated(Callback):
         # restores a checkpoint's optimizer state by position (this hook runs between the two)
         network = self._network or self._resolve_network(pl_module, required=False)
         if network is not None:
-            editor.regroup_grown(trainer, pl_module, network)
+            editor.regroup_grown(trainer, pl_module, network, self._saved_groups)
+        self._saved_groups = None
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # The growth record beside the weights, for any module (the network's extra state carries it in the state
         # dict too): an FSDP2 resume reads it from a sharded checkpoint's metadata before the shards load.
-        if self._network is not None:
+        if self._network is not None and self._first:  # one record: the first growth callback's network
             checkpoint["growtrain"] = {"growth": [dict(r) for r in self._network.growth_log]}
         if self._rng_state is not None:
             self._rng_state.on_save_checkpoint(trainer, pl_module, checkpoint)
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # the saved optimizers' group names: on_fit_start lines a plain optimizer up with them
+        self._saved_groups = [[g.get("name") for g in state.get("param_groups", [])]
+                              for state in checkpoint.get("optimizer_states") or []]  # fmt: skip
         if self._rng_state is not None:
             self._rng_state.on_load_checkpoint(trainer, pl_module, checkpoint)
 
@@ -455,6 +463,13 @@ class GrowUntilSaturated(Callback):
     def growth_epochs(self) -> int | None:
         """Epochs trained when growth ended (``None`` while it goes on): the ending check's epoch + 1."""
         return self.history[-1]["epoch"] + 1 if self.finished is not None and self.history else None
+
+    @property
+    def last_save(self) -> dict[str, Any] | None:
+        """Where this fit's latest checkpoint was written, as ``RandomStateCheckpoint`` records it
+        (read by the Ctrl-C message, ``growtrain.resume.interrupt_report``); ``None`` when the
+        trainer has its own ``RandomStateCheckpoint``."""
+        return self._rng_state.last_save if self._rng_state is not None else None
 
     @property
     def final_epochs(self) -> int:
