@@ -216,8 +216,9 @@ def test_sharded_checkpoint_resume_grows_first_and_continues_identically(runs, m
 def test_a_sharded_resume_without_the_growers_hook_is_a_clear_error(runs):
     results, _ = runs
     for r in results["gpt:resume_unhooked"]:  # without the grower's hook: refused, not trained at the wrong depth
-        assert "RuntimeError: checkpoint: it records 2 growth(s) but this FSDP2-sharded model has 0" in r["error"]
-        assert "Fix: resume with GrowUntilSaturated" in r["error"]
+        # the network's own load refuses (any module, the mixin not needed), before the mixin's hook would
+        assert "RuntimeError: state_dict: it records 2 growth(s) but this FSDP2-sharded network has 0" in r["error"]
+        assert "Fix: load it with GrowUntilSaturated in the trainer's callbacks" in r["error"]
 
 
 def test_a_full_state_checkpoint_of_the_grown_model_loads_on_one_device(runs):

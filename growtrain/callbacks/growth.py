@@ -276,9 +276,10 @@ class GrowUntilSaturated(Callback):
         # batches (and makes its checks): RandomStateCheckpoint's work, done here unless the trainer has one of its
         # own (growtrain's trainers add it), by the first GrowUntilSaturated only.
         self._saved_groups = None  # a resumed fit's come with on_load_checkpoint, after this hook
-        first = next((cb for cb in trainer.callbacks if isinstance(cb, GrowUntilSaturated)), self)
+        callbacks = getattr(trainer, "callbacks", None) or []
+        first = next((cb for cb in callbacks if isinstance(cb, GrowUntilSaturated)), self)
         self._first = first is self
-        own = any(isinstance(cb, RandomStateCheckpoint) for cb in trainer.callbacks)
+        own = any(isinstance(cb, RandomStateCheckpoint) for cb in callbacks)
         self._rng_state = RandomStateCheckpoint() if first is self and not own else None
         if self._fork is not None and sharded.is_model_parallel(trainer.strategy):
             raise RuntimeError("strategy: decision='fork' trains a full copy of the network beside the run, which is "
