@@ -32,7 +32,7 @@ from periodic_results import paired_interval  # noqa: E402
 def runs(folders: list[str]) -> list[dict]:
     """One record per finished growth row: its constants (from the run's own config.yaml), the
     judged forks, the total FLOPs (training, arms, scoring, probe passes) and its matched arms."""
-    out = []
+    out, arms = [], {}
     for folder in map(Path, folders):
         for split_dir in sorted(folder.glob("split*")):
             if not (split_dir / "runs.jsonl").exists():
@@ -41,13 +41,13 @@ def runs(folders: list[str]) -> list[dict]:
             cb = config["trainer"]["callbacks"][0]["init_args"]
             data = config["data"]["init_args"]
             train_images, probe_size = data_sizes(split_dir)
-            plans = {}
             if (split_dir / "matched" / "plan.jsonl").exists():
                 for line in open(split_dir / "matched" / "plan.jsonl"):
                     plan = json.loads(line)
                     done = split_dir / "matched" / plan["folder"] / "runs.jsonl"
-                    if done.exists():
-                        plans[(plan["seed"], plan["arm"])] = {**plan, **json.loads(done.read_text().splitlines()[-1])}
+                    if done.exists():  # pooled: a row of the same seed, architecture and budget shares the arm
+                        key = (plan["seed"], data["seed"], tuple(plan["arm_blocks"]), round(plan["budget_flops"] / 1e9))
+                        arms[key] = {**plan, **json.loads(done.read_text().splitlines()[-1])}
             for line in open(split_dir / "runs.jsonl"):
                 row = json.loads(line)
                 if not row["key"].startswith("growth/"):
@@ -64,8 +64,10 @@ def runs(folders: list[str]) -> list[dict]:
                     "probe": probe_size, "train_images": train_images, "subset": bool(data.get("train_subset")), "blocks": row["blocks"],
                     "sizes": stage_sizes(row), "test_loss": row["test_loss"], "forks": judged,
                     "gflop": (growth_flops(row, probe_size) + forks["arms"] + forks["scoring"]) / 1e9,
-                    "matched": {arm: plans[(s, arm)] for s, arm in plans if s == seed},
                 })  # fmt: skip
+    for r in out:  # the found architecture's scratch arm given the same FLOPs, wherever it was trained
+        m = arms.get((r["seed"], r["split"], tuple(r["sizes"]), round(r["gflop"])))
+        r["matched"] = {"found": m} if m is not None else {}
     return out
 
 
