@@ -86,7 +86,13 @@ def _outputs(module: L.LightningModule) -> torch.Tensor:
 @pytest.fixture(scope="module", params=[False, True], ids=["no-scheduler", "lambdalr"])
 def full(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("full")
-    module, trainer = _fit(root, scheduler=request.param)
+    # one thread, as the tests that compare with it run (the function-scoped _one_thread fixture is set up after this)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        module, trainer = _fit(root, scheduler=request.param)
+    finally:
+        torch.set_num_threads(threads)
     assert len(module.network.growth_log) == 2 and module.network.depth() == 5
     return root, module, trainer, request.param
 
