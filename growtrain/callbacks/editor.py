@@ -19,7 +19,7 @@ from growtrain.batches import to_device
 from growtrain.callbacks import sharded
 from growtrain.callbacks.probe_data import ProbeView, eval_output
 from growtrain.growable import grown_blocks, insertion_order, insertion_tolerance
-from growtrain.reconfigure import add_param_groups, continue_schedulers, new_param_groups, reconfigure_optimizer
+from growtrain.reconfigure import reconfigure_optimizer
 
 __all__ = ["FunctionChangedError", "insertion_order", "grow", "optimizer_for", "regroup_grown", "rewrap_ddp"]
 
@@ -109,9 +109,10 @@ def regroup_grown(trainer: Trainer, pl_module: LightningModule, network: nn.Modu
     (``growtrain.optim.param_groups`` builds it) or the fit resumes nothing."""
     blocks = grown_blocks(network)
     optimizer = optimizer_for(trainer, network)
-    if not saved or not blocks or optimizer is None or trainer.optimizers.index(optimizer) >= len(saved):
+    index = trainer.optimizers.index(optimizer) if optimizer is not None else len(saved or [])
+    if not saved or not blocks or index >= len(saved):
         return 0
-    names = saved[trainer.optimizers.index(optimizer)]
+    names = saved[index]
     ks = sorted({k for k in map(_growth_index, names) if k is not None})
     if not ks or any(_growth_index(g.get("name")) is not None for g in optimizer.param_groups):
         return 0  # nothing grown then, or growth's groups built already
@@ -122,18 +123,13 @@ def regroup_grown(trainer: Trainer, pl_module: LightningModule, network: nn.Modu
         return 0  # state already: not a fresh configure_optimizers
     for group in optimizer.param_groups:
         group["params"] = [p for p in group["params"] if id(p) not in moved]
-    groups, refs = [], []
-    for k in ks:
-        new, ref = new_param_groups(pl_module, blocks[k], k, optimizer)
-        groups += new
-        refs += ref
-    add_param_groups(optimizer, groups)
-    continue_schedulers(trainer.strategy.lr_scheduler_configs, refs, optimizer)
+    # what growth itself does with a new block (zero-state groups, schedules continued)
+    added = reconfigure_optimizer(pl_module, optimizer, trainer.strategy.lr_scheduler_configs, [blocks[k] for k in ks], ks)
     if [g.get("name") for g in optimizer.param_groups] != list(names):
         rank_zero_warn(f"GrowUntilSaturated: the resumed optimizer's groups {[g.get('name') for g in optimizer.param_groups]} "
                        f"do not line up with the checkpoint's {list(names)}; Lightning's restore of the optimizer "
                        "state may fail or misplace it. Fix: build the optimizer from growtrain.optim.param_groups(network).")
-    return len(groups)
+    return len(added)
 
 
 def rewrap_ddp(trainer: Trainer) -> None:
