@@ -9,6 +9,7 @@ from growtrain.saturation import SaturationReport, SiteRecord, measure_saturatio
 
 _LAZY = {
     "GrowUntilSaturated": "growtrain.callbacks.growth",
+    "GrowOnSchedule": "growtrain.callbacks.scheduled",
     "GrowableModuleMixin": "growtrain.module",
     "ImageClassifier": "growtrain.module",
     "LanguageModel": "growtrain.lm",

@@ -28,6 +28,8 @@ __all__ = [
     "groups_for_new_parameters",
     "WarmupCosine",
     "warmup_cosine_factor",
+    "WarmupStableDecay",
+    "wsd_factor",
     "paper_sgd",
 ]
 
@@ -196,6 +198,39 @@ class WarmupCosine(LambdaLR):
             total_steps=self.total_steps,
             min_lr_ratio=self.min_lr_ratio,
         )
+        super().__init__(optimizer, factor, last_epoch)
+
+
+def wsd_factor(step: int, warmup_steps: int, total_steps: int, decay_steps: int, min_lr_ratio: float = 0.1) -> float:
+    """LR multiplier of warmup-stable-decay: linear warmup to 1, flat, then a linear decay to
+    ``min_lr_ratio`` over the last ``decay_steps`` of ``total_steps``, then flat."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    start = total_steps - decay_steps
+    if step < start:
+        return 1.0
+    progress = min(1.0, (step - start) / max(1, decay_steps))
+    return 1.0 - (1.0 - min_lr_ratio) * progress
+
+
+class WarmupStableDecay(LambdaLR):
+    """Warmup-stable-decay (WSD): the schedule under which a late growth (Bu 2025) lands in the flat
+    part and the final architecture gets the whole decay. Step it per optimizer step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, decay_steps: int,
+                 min_lr_ratio: float = 0.1, last_epoch: int = -1):  # fmt: skip
+        w, t, d = int(warmup_steps), int(total_steps), int(decay_steps)
+        if w < 0 or t < 1 or d < 0 or w + d > t:
+            raise ValueError(
+                f"warmup_steps/decay_steps/total_steps: expected 0 <= warmup_steps, 0 <= decay_steps and "
+                f"warmup_steps + decay_steps <= total_steps (optimizer steps), got {w}, {d}, {t}"
+            )
+        if not 0.0 <= float(min_lr_ratio) <= 1.0:
+            raise ValueError(f"min_lr_ratio: expected a fraction of the peak lr in [0, 1], got {min_lr_ratio}")
+        self.warmup_steps, self.total_steps, self.decay_steps = w, t, d
+        self.min_lr_ratio = float(min_lr_ratio)
+        factor = functools.partial(wsd_factor, warmup_steps=w, total_steps=t, decay_steps=d,
+                                   min_lr_ratio=self.min_lr_ratio)  # fmt: skip
         super().__init__(optimizer, factor, last_epoch)
 
 

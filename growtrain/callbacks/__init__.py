@@ -1,6 +1,7 @@
 """growtrain's Lightning callbacks, one job per module.
 
 - ``growth``: :class:`GrowUntilSaturated`, the probe-and-grow callback;
+- ``scheduled``: :class:`GrowOnSchedule`, growth at set points of the step budget (no test);
 - ``early_stopping``: :class:`TrainLossEarlyStopping`, the paper's stop on the training loss;
 - ``compute``: :class:`ComputeMeter`, batches, samples and estimated FLOPs of a fit;
 - ``gamma_plot``: :class:`GammaTracePlot`, ``gamma_trace.png`` from the growth checks at fit end;
@@ -13,6 +14,7 @@ from growtrain.callbacks.early_stopping import TrainLossEarlyStopping
 from growtrain.callbacks.gamma_plot import GammaTracePlot, save_gamma_trace
 from growtrain.callbacks.growth import GrowUntilSaturated
 from growtrain.callbacks.rng_state import RandomStateCheckpoint
+from growtrain.callbacks.scheduled import GrowOnSchedule
 from growtrain.quiet import quiet_upstream_noise
 
 # a plain script (no growtrain CLI or trainer) that uses a growtrain callback: no Lightning tips or
@@ -22,6 +24,7 @@ quiet_upstream_noise()
 __all__ = [
     "ComputeMeter",
     "GammaTracePlot",
+    "GrowOnSchedule",
     "GrowUntilSaturated",
     "RandomStateCheckpoint",
     "TrainLossEarlyStopping",
