@@ -4,11 +4,11 @@
     PYTHONPATH=. python bench/gain_level.py simulate --reps 4000 --md docs/results/gain_level.md
 
 ``pairs`` trains the quickstart's ResNet-8 on the embedded Fashion-MNIST subset (5000 train, 2000
-probe) with ``GrowUntilSaturated(schedule="periodic")`` and keeps the two per-sample probe-loss
-vectors of every window verdict (``b``: at the window's start, ``a``: now): the product's own
-losses, and the same bootstrap-t (``gain_test``, through ``trial_test``) that the window and the
-block-only trial decide by. (The stored tests/data/gain_pairs.pt came from the stage-gain decision,
-removed since: the same kind of paired probe losses, a stage apart.)
+probe) with ``GrowUntilSaturated(schedule="periodic")`` (the stage fork) and keeps the two per-sample
+probe-loss vectors of every fork verdict (``b``: the run, ``a``: the arm with the blocks): the
+product's own losses, and the same bootstrap-t (``gain_test``) that the fork and the block-only trial
+decide by. (The stored tests/data/gain_pairs.pt came from the stage-gain decision, removed since:
+the same kind of paired probe losses, a stage apart.)
 
 ``simulate`` builds nulls from them. With ``d_i = b_i − a_i`` (the real differences) and
 ``g = min_gain``, a null at the boundary (``E[d] = g·E[b]`` exactly) is
@@ -34,7 +34,7 @@ PAIRS = Path(__file__).resolve().parents[1] / "tests" / "data" / "gain_pairs.pt"
 
 
 def make_pairs(out: Path = PAIRS, seed: int = 0) -> list[dict]:
-    """Every window verdict of a real fit: its two per-sample probe-loss vectors (float32)."""
+    """Every fork verdict of a real fit: its two per-sample probe-loss vectors (float32)."""
     import lightning
     from growtrain.callbacks import GrowUntilSaturated
     from growtrain.data import ImageDataModule
@@ -42,27 +42,27 @@ def make_pairs(out: Path = PAIRS, seed: int = 0) -> list[dict]:
 
     captured: list[dict] = []
 
-    import growtrain.callbacks.window_check as window_check
+    import growtrain.callbacks.fork_check as fork_check
 
-    real_test = window_check.window_test
+    real_test = fork_check.fork_test
 
-    def capture(before, after, **kwargs):  # what the window rule judges: kept losses, paired by sample
-        captured.append({"before": before.float().clone(), "after": after.float().clone()})
-        return real_test(before, after, **kwargs)
+    def capture(control, arm, **kwargs):  # what the stage fork judges: the two sides' losses, paired by sample
+        captured.append({"before": control.float().clone(), "after": arm.float().clone()})
+        return real_test(control, arm, **kwargs)
 
-    window_check.window_test = capture
+    fork_check.fork_test = capture
     lightning.seed_everything(seed, verbose=False)
     dm = ImageDataModule(dataset="fashion-mnist-mini", batch_size=128, probe_size=2000, val_size=1000, seed=0)
     model = ImageClassifier(arch="cifar_resnet", blocks=(1, 1, 1), width=8, family="basic", in_channels=1)
-    # min_gain=0: growth goes on while the window's loss fell at all, so the fit yields several verdicts
-    grow = GrowUntilSaturated(schedule="periodic", every_n_epochs=2, window=2, min_gain=0.0, max_growths=4,
+    # min_gain=0: growth goes on while the arm's loss is lower at all, so the fit yields several verdicts
+    grow = GrowUntilSaturated(schedule="periodic", every_n_epochs=2, min_gain=0.0, max_growths=4,
                               on_saturated="anneal", anneal_epochs=3, verbose=False)  # fmt: skip
     trainer = lightning.Trainer(max_epochs=60, accelerator="cpu", devices=1, callbacks=[grow], logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
                                 enable_model_summary=False)  # fmt: skip
     trainer.fit(model, datamodule=dm)
     if not captured:
-        raise RuntimeError("the fit reached no window verdict; nothing captured")
+        raise RuntimeError("the fit reached no fork verdict; nothing captured")
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"pairs": captured, "command": "PYTHONPATH=. python bench/gain_level.py pairs"}, out)
     return captured

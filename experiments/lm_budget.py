@@ -127,7 +127,7 @@ def main() -> None:
 
     meter = ComputeMeter()
     curve = Curve(meter)
-    callbacks = [meter, curve, ModelCheckpoint(dirpath=out / "ckpt", save_last=True, save_top_k=0)]
+    callbacks = [meter, curve, ModelCheckpoint(dirpath=out / "ckpt", save_last=True)]
     if spec.get("at"):
         grow = GrowOnSchedule(at=spec["at"], blocks=spec["blocks"], site=spec["site"], insertion=spec["insertion"],
                               ramp_steps=max(1, steps // 20), seed=args.seed)  # fmt: skip

@@ -1,6 +1,6 @@
 """Scratch given a growth run's compute: the ground truth of the periodic protocol's study.
 
-For each growth row of a periodic run (``runs.jsonl`` of experiments/periodic_full.sh), two
+For each growth row of a periodic run (``runs.jsonl`` of the removed experiments/periodic_full.sh, in git history), two
 scratch arms are trained with the product's own code path (``growtrain stopping`` with
 ``max_growths=0`` under the periodic schedule: the constant rate, then the same final anneal of
 ``anneal_epochs``, reserved inside ``max_epochs``):
@@ -77,7 +77,7 @@ def train_scratch(out: Path, name: str, *, seed: int, epochs: int, sizes: list[i
            f"--output_dir={out / name}", f"--trainer.default_root_dir={out / name}",
            f"--trainer.max_epochs={epochs}", f"--model.init_args.blocks=[{','.join(map(str, sizes))}]",
            f"{cb}.max_growths=0", f"{cb}.every_n_epochs=1000", f"{cb}.min_steps_between_checks=null",
-           f"{cb}.window=1000", *overrides]  # fmt: skip
+           *overrides]  # fmt: skip
     print(" ".join(cmd), flush=True)
     with open(out / f"{name}.log", "a") as log:
         subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,

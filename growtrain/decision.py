@@ -7,8 +7,8 @@ verdicts it could compute, and states, when it is built, which rule made its dec
 * ``"crossfit"`` — grow iff some site's cross-fit lower bound on ``‖g_l‖`` (level ``α/K``)
   exceeds the absolute margin ``δ`` (``growtrain.crossfit``).
 * ``"crossfit"`` is the callback's default rule; with ``min_gain`` the callback's decision is a
-  block-only trial (``growtrain.trial``) or the periodic window (``growtrain.window``), and the rule
-  only ranks the sites.
+  block-only trial (``growtrain.trial``) or the paired stage fork (``growtrain.fork``), and the
+  rule only ranks the sites.
 * ``"relative"`` — grow iff some site's cross-fit lower bound exceeds
   ``max(δ, τ · R)``, where ``R`` is the root-mean-square population gradient norm of the
   *existing* blocks' terminal maps, estimated without bias on half ``A`` of the same probe
@@ -20,8 +20,7 @@ verdicts it could compute, and states, when it is built, which rule made its dec
 
 Also here: the options these rules read, checked (``check_tau``, ``check_min_gain``), and their
 defaults (``DEFAULT_RULE``, ``DEFAULT_TAU``, ``DEFAULT_MIN_GAIN``). The block-only trial
-(``growtrain.trial``), the window rule (``growtrain.window``) and the paired fork
-(``growtrain.fork``) return this module's ``Verdict``. When a check comes and what a verdict turns
+(``growtrain.trial``) and the paired fork (``growtrain.fork``) return this module's ``Verdict``. When a check comes and what a verdict turns
 into (the budgets) are not decisions: they are ``growtrain.schedule_rules``'s. No Lightning import here.
 """
 
@@ -50,10 +49,10 @@ __all__ = [
 Rule = Literal["paper", "crossfit", "relative"]
 RULES: tuple[str, ...] = ("paper", "crossfit", "relative")
 # The decision entry points' default: a certified first-order gain (δ = 0); in the callback the
-# rule ranks the sites and min_gain decides (a trial, the periodic window). The relative rule did
+# rule ranks the sites and min_gain decides (a trial, the periodic stage fork). The relative rule did
 # not track depth on real data (docs/decision.md) and stays available and reported.
 DEFAULT_RULE: Rule = "crossfit"
-# min_gain: grow only where a tried block (or the periodic window) lowers the held-out loss by a
+# min_gain: grow only where a tried block (or the stage fork's arm) lowers the held-out loss by a
 # certified more than this fraction of it (docs/decision.md, results.md "Stop where depth stops paying").
 DEFAULT_MIN_GAIN = 0.01
 # τ: the relative rule's threshold (a fraction of the existing blocks' RMS first-order value).
@@ -72,7 +71,7 @@ class Verdict:
     margin: float  # what the statistic had to exceed: δ + t, δ, or max(δ, τ·R)
     reason: str
     # ``saturated`` says growth should end; ``certified`` says more: an upper confidence bound on what
-    # one more block gains lies below the margin (block-only trials, the window rule). A stop without it
+    # one more block gains lies below the margin (block-only trials, the stage fork). A stop without it
     # is "no certified gain": the lower bound did not clear the margin, which leaves a gain above it
     # unresolved. A field set from the numbers by the rule, so no reader has to parse ``reason``.
     certified: bool = False

@@ -12,7 +12,7 @@ sample's loss is paired: the block is worth ``mean(control − arm)``.
 Why this and not a trial or a window: the block-only trial trains the block alone (a short
 horizon that misses what the network re-learns around it: it stopped at 3–5 blocks against
 d* = 7), and the window credits the block with everything the run learned over J epochs
-(training progress: its depth followed the interval K like 1/K). The fork's two sides share the
+(training progress: its depth followed the interval K like 1/K; removed, docs/results/history.md). The fork's two sides share the
 state they start from, the batches and the rate, so what differs between them is the block.
 
 * :func:`make_arm` — the arm and its optimizer.

@@ -68,10 +68,10 @@ def _trial(record: dict) -> dict | None:
     return record.get("trial") or (record.get("verdicts") or {}).get("trial")
 
 
-def _window(record: dict) -> dict | None:
-    """The window rule's verdict of a check (``decision="window"``, the periodic schedule), if any."""
-    window = record.get("window")
-    return window if isinstance(window, dict) else (record.get("verdicts") or {}).get("window")
+def _fork(record: dict) -> dict | None:
+    """The stage fork's entry of a check (``decision="stage_fork"``, the periodic schedule), if any."""
+    fork = record.get("fork")
+    return fork if isinstance(fork, dict) else (record.get("verdicts") or {}).get("fork")
 
 
 def _best_trial(trial: dict) -> dict | None:
@@ -116,11 +116,10 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
 
     Top, what decided: with ``decision="trial"`` (a ``trial`` record) the block-only trials —
     the best tried block's held-out gain (fraction of the loss), its certified lower bound and
-    ``min_gain`` (grow when the bound is above it); with ``decision="window"`` (a ``window`` record,
-    the periodic schedule) the probe loss's paired fall over the last ``window`` epochs in % of the
-    loss, its certified lower bound (grow when above ``min_gain``) and its upper bound ("certified
-    saturation" when below), checks whose window was not full yet marked at the bottom of the panel
-    (nothing compared: they wait); with ``decision="gain"`` each later check's
+    ``min_gain`` (grow when the bound is above it); with ``decision="stage_fork"`` (a ``fork`` record,
+    the periodic schedule) the arm's paired probe gain over the run in % of the loss, its certified
+    lower bound (grow when above ``min_gain``) and its upper bound ("certified saturation" when
+    below), checks that only opened a fork marked at the bottom of the panel (nothing compared); with ``decision="gain"`` each later check's
     certified gain of the last block against what it needed (``min_gain`` × the probe loss at
     that growth). Then the first-order test — the best site's certified (cross-fit) lower bound
     against the rule's threshold (``margin``: δ, or τ·R for the relative rule); with
@@ -142,22 +141,22 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
     measured = [h for h in history if h.get("gamma") is not None]  # budget stops run no probe
     gains = [h for h in measured if _gain(h)]
     trials = [h for h in history if _trial(h) and _best_trial(_trial(h))]
-    windows = [h for h in history if _window(h)]
+    forks = [h for h in history if _fork(h)]
     paper = bool(measured) and all(h.get("rule") == "paper" for h in measured)
-    rows = 2 + bool(gains) + bool(trials) + bool(windows)
+    rows = 2 + bool(gains) + bool(trials) + bool(forks)
     fig = _figure((8.5, 2.3 * rows + 1.0))
     axes = fig.subplots(rows, 1, sharex=True, height_ratios=[2] * (rows - 1) + [1.2])
-    # what decided comes first (the window, the trials, or the realized gain), then the first-order
+    # what decided comes first (the fork, the trials, or the realized gain), then the first-order
     # test that chose the sites or decided itself, then the paper's quantities
-    names = ["window"] * bool(windows) + ["trial"] * bool(trials) + ["gain"] * bool(gains) + ["first", "paper"]
+    names = ["fork"] * bool(forks) + ["trial"] * bool(trials) + ["gain"] * bool(gains) + ["first", "paper"]
     panel = dict(zip(names, axes))
     first, paper_ax, trial_ax, gain_ax = panel["first"], panel["paper"], panel.get("trial"), panel.get("gain")
-    window_ax = panel.get("window")
+    fork_ax = panel.get("fork")
     # -- the first-order test: lower bound vs threshold (or Γ̂ vs δ+t for the paper rule) ---------------------
     value_key, need_key = ("gamma", "threshold") if paper else ("lower", "margin")
     pts = [h for h in measured if h.get(value_key) is not None]
     for decided in (True, False):
-        sel = [h for h in pts if (not _gain(h) and not _trial(h) and not _window(h)) == decided]
+        sel = [h for h in pts if (not _gain(h) and not _trial(h) and not _fork(h)) == decided]
         if sel:
             first.plot([h[xkey] for h in sel], [h[value_key] for h in sel], "o", color="C0",
                        fillstyle="full" if decided else "none",
@@ -169,11 +168,11 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
                    label=r"$\delta+t$: grow above" if paper else "threshold (δ or τ·R): grow above")  # fmt: skip
     first.set_ylabel("gradient norm")
     what = "Γ̂ against δ+t" if paper else "certified lower bound against its threshold"
-    chose = " (chose the trial sites)" if trials else " (chose the site to grow)" if windows else ""
+    chose = " (chose the trial sites)" if trials else " (chose the fork's sites)" if forks else ""
     first.set_title("first-order test: " + what + chose, fontsize=9, loc="left")
-    # -- decision="window": the probe loss's fall over the window, its bounds, against min_gain (% of the loss) --
-    if window_ax is not None:
-        _window_panel(window_ax, windows, xkey)
+    # -- decision="stage_fork": the arm's paired gain over the run, its bounds, against min_gain (% of the loss) --
+    if fork_ax is not None:
+        _fork_panel(fork_ax, forks, xkey)
     # -- decision="trial": the best tried block's held-out gain and its lower bound vs min_gain ------------------
     if trial_ax is not None:
         tx = [h[xkey] for h in trials]
@@ -213,31 +212,30 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
     return fig
 
 
-def _window_panel(ax, windows: Sequence[dict], xkey: str) -> None:
-    """decision="window": per check, the probe loss's paired fall since the window's reference check
-    (estimate, certified lower bound, upper bound; % of the loss then) against ``min_gain``; a check
-    whose window was not full yet compared nothing and is marked at the panel's bottom, not as a value."""
-    full = [h for h in windows if _window(h).get("gain_frac") is not None]
-    empty = [h for h in windows if _window(h).get("gain_frac") is None]
+def _fork_panel(ax, forks: Sequence[dict], xkey: str) -> None:
+    """decision="stage_fork": per check, the cooled arm's paired probe gain over the cooled run
+    (estimate, certified lower bound, upper bound; % of the run's loss) against ``min_gain``; a check
+    that only opened a fork compared nothing and is marked at the panel's bottom, not as a value."""
+    full = [h for h in forks if _fork(h).get("gain_frac") is not None]
+    empty = [h for h in forks if _fork(h).get("gain_frac") is None]
     if full:
         fx = [h[xkey] for h in full]
-        pct = lambda key: [100 * _window(h)[key] for h in full]  # noqa: E731
-        ax.plot(fx, pct("gain_frac"), "s", color="C2", fillstyle="none", label="window gain (estimate)")
+        pct = lambda key: [100 * _fork(h)[key] for h in full]  # noqa: E731
+        ax.plot(fx, pct("gain_frac"), "s", color="C2", fillstyle="none", label="the arm's gain (estimate)")
         ax.plot(fx, pct("lower_frac"), "^", color="C2", label="its certified lower bound (grow above min_gain)")
         ax.plot(fx, pct("upper_frac"), "v", color="C1", fillstyle="none",
                 label="its upper bound (certified saturation below min_gain)")  # fmt: skip
         ax.vlines(fx, pct("lower_frac"), pct("upper_frac"), color="C2", lw=0.8, alpha=0.6)  # the bounds' interval
-        _against_need(ax, fx, [100 * _window(h)["min_gain"] for h in full], "min_gain", "% of the probe loss", "")
+        _against_need(ax, fx, [100 * _fork(h)["min_gain"] for h in full], "min_gain", "% of the probe loss", "")
     if empty:
         ax.plot([h[xkey] for h in empty], [0.04] * len(empty), "|", color="0.45", ms=12, mew=2,
-                transform=ax.get_xaxis_transform(), label="window not full yet: nothing compared (waits)")  # fmt: skip
+                transform=ax.get_xaxis_transform(), label="a fork opened: nothing compared yet")  # fmt: skip
     if not full:
-        ax.text(0.5, 0.5, "no check's window was full yet: no gain measured", transform=ax.transAxes, ha="center",
+        ax.text(0.5, 0.5, "no fork was judged yet: no gain measured", transform=ax.transAxes, ha="center",
                 va="center", color="0.45", fontsize=8)  # fmt: skip
-    span = sorted({_window(h).get("window") for h in windows if _window(h).get("window") is not None})
-    over = f"the last {span[0]} epochs" if len(span) == 1 else "the window"
     ax.set_ylabel("% of the probe loss")
-    ax.set_title(f"window rule: the probe loss's paired fall over {over} against min_gain", fontsize=9, loc="left")
+    ax.set_title("stage fork: the arm's paired probe gain over the run (both cooled) against min_gain", fontsize=9,
+                 loc="left")  # fmt: skip
 
 
 def _mark_events(axes, history: Sequence[dict], xkey: str) -> None:
@@ -300,7 +298,7 @@ def plot_stopping(summary: dict, growth_rows: Sequence[dict], path: str | Path |
     """Left: the scratch sweep's test loss against depth (mean ± sd), ``d*`` and each growth
     seed's found depth marked (AutoGrow's Figure 5 style). Right: with ``min_gain``, every growth
     seed's certified gain at each check, with ``min_gain`` (``decision="trial"``: the best tried
-    block's lower bound; ``"window"``: the window's; ``"gain"``, in rows of earlier versions: the
+    block's lower bound; ``"stage_fork"``: the fork's; ``"gain"``, in rows of earlier versions: the
     last block's); else the relative rule's ratio (best
     certified lower bound / R) of the first growth run, with τ. A growth run that found no depth
     (its fit ended before growth did) is drawn hollow."""
@@ -336,14 +334,13 @@ def plot_stopping(summary: dict, growth_rows: Sequence[dict], path: str | Path |
         left.text(0.5, 0.5, "no rows yet", transform=left.transAxes, ha="center", va="center", color="0.5")
     gains = [[h for h in g.get("history", []) if (h.get("verdicts") or {}).get("gain")] for g in growth_rows]
     trials = [[h for h in g.get("history", []) if (h.get("verdicts") or {}).get("trial")] for g in growth_rows]
-    # a window verdict with a bound: its window was full (before that every check grows)
-    windows = [[h for h in g.get("history", []) if ((h.get("verdicts") or {}).get("window") or {}).get("lower_frac")
-                is not None] for g in growth_rows]  # fmt: skip
+    # a fork verdict with a bound: a judged fork (a check that opened one compared nothing)
+    forks = [[h for h in g.get("history", []) if ((h.get("verdicts") or {}).get("fork") or {}).get("lower_frac")
+              is not None] for g in growth_rows]  # fmt: skip
     if any(trials):
         _plot_trials(right, growth_rows, trials)
-    elif any(windows):
-        _plot_trials(right, growth_rows, windows, key="window",
-                     ylabel="the window's certified gain / loss at its start")  # fmt: skip
+    elif any(forks):
+        _plot_trials(right, growth_rows, forks, key="fork", ylabel="the fork's certified gain / the run's loss")
     elif any(gains):
         _plot_gains(right, growth_rows, gains)
     elif growth_rows:
@@ -388,7 +385,7 @@ def _plot_trials(ax, growth_rows: Sequence[dict], trials: Sequence[Sequence[dict
                  ylabel: str = "best tried block: certified gain / loss") -> None:  # fmt: skip
     """decision="trial": each growth seed's best tried block's certified held-out gain (lower
     bound, fraction of the loss) against the blocks at the check, with ``min_gain``;
-    ``key="window"``: the window's certified gain over its last ``window`` epochs, likewise."""
+    ``key="fork"``: the stage fork's certified gain of its arm over the run, likewise."""
     from matplotlib.ticker import MaxNLocator
 
     min_gain = None

@@ -132,7 +132,7 @@ def measure_saturation(
             loader without a sized sampler or dataset (the split needs it before the pass).
         sample_losses: a list that receives, per probe batch in loader order, each sample's term
             of the loss (float64, on the network's device) of the network as it is — the ghosts output zero — from the
-            pass's own forward (``GrowUntilSaturated``'s window decision reads it: no extra pass).
+            pass's own forward (no extra pass; bench/probe.py times it).
         variance: compute ``σ̂²`` per site (``Σ‖ξ_i‖²`` needs every per-sample gradient), and
             with it the paper rule's ``t``, threshold, error bound and verdict. Default: only
             under ``rule="paper"``, which decides by it. Without it, conv and linear terminal

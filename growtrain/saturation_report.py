@@ -15,7 +15,7 @@ from growtrain import decision as dec
 from growtrain import probe_math as pm
 from growtrain.growable import Site
 
-__all__ = ["SaturationReport", "SiteRecord", "build_report", "rank_sites", "best_scored_site"]
+__all__ = ["SaturationReport", "SiteRecord", "build_report", "rank_sites"]
 
 
 # -- report --------------------------------------------------------------------------------
@@ -236,13 +236,3 @@ def rank_sites(report: SaturationReport, top_k: int) -> list[str]:
         if r.name not in out:
             out.append(r.name)
     return out
-
-
-def best_scored_site(report: SaturationReport) -> str | None:
-    """The site the window decision grows at: the largest certified lower bound
-    (cross-fit and relative rules) or the largest ``‖ĝ‖`` (paper's rule), whatever the verdict."""
-    if not report.sites:
-        return None
-    if report.rule in ("crossfit", "relative") and all(r.lower is not None for r in report.sites):
-        return max(report.sites, key=lambda r: r.lower).name
-    return max(report.sites, key=lambda r: r.grad_norm).name

@@ -9,7 +9,6 @@ which budget ends growth, and what a verdict turns into.
 * ``plateau_update`` — EarlyStopping-style plateau tracking (the converged schedule's trigger);
 * ``budget_reason`` — the budget (``max_growths``, ``max_params``) that forbids further growth;
 * ``decide_growth`` — a verdict and the budgets turned into an action: grow, saturated or budget;
-* ``window_never_judged`` — why a periodic window rule cannot judge before growth must end.
 
 The verdicts themselves come from ``growtrain.decision`` and the deciders. No Lightning import here.
 """
@@ -19,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-__all__ = ["should_check", "plateau_update", "budget_reason", "decide_growth", "window_never_judged"]
+__all__ = ["should_check", "plateau_update", "budget_reason", "decide_growth"]
 
 
 def should_check(
@@ -123,23 +122,3 @@ def decide_growth(
         return "budget", f"max_params={max_params}: no candidate block fits ({params} parameters now)", []
     why = reason or "a site certifies first-order gain"
     return "grow", f"{why}; grow at {', '.join(chosen)}", chosen
-
-
-def window_never_judged(*, max_epochs: int | None, every_n_epochs: int, window: int, anneal_epochs: int,
-                        on_saturated: str) -> str | None:  # fmt: skip
-    """At the start of a periodic fit with ``decision="window"`` (counted in epochs): why no check
-    can judge a full window while growth is still allowed, or ``None``. Checks come at the ends of
-    epochs ``K−1, 2K−1, ...``; a check waits until one ``window`` (J) epochs older exists, so the
-    first judged one ends epoch ``(1 + ⌈J/K⌉)·K − 1``; growth must end when no more than
-    ``anneal_epochs`` remain (``on_saturated="anneal"``) or at ``max_epochs``."""
-    if max_epochs is None or max_epochs < 1:
-        return None
-    first = (1 + math.ceil(window / every_n_epochs)) * every_n_epochs - 1
-    last = max_epochs - 1 - (anneal_epochs + 1 if on_saturated == "anneal" else 0)  # the last epoch that may grow
-    if first <= last:
-        return None
-    return (f"window={window}: the first check with a full window ends epoch {first}, after the last epoch growth may "
-            f"use ({last}, with max_epochs={max_epochs}"
-            + (f" and the final anneal's {anneal_epochs} epoch(s) reserved" if on_saturated == "anneal" else "")
-            + "): every check waits and the network never grows. Fix: raise max_epochs, or lower window or "
-            "every_n_epochs.")

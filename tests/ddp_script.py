@@ -51,7 +51,7 @@ class Snapshot(L.Callback):
         self.info: dict = {}
 
     def on_train_epoch_end(self, trainer, pl_module):
-        if trainer.current_epoch == 1:  # the second check: under the window rule, the first judged one
+        if trainer.current_epoch == 1:  # the second check
             self.info["growth_log_check1"] = [dict(r) for r in pl_module.network.growth_log]
             if trainer.global_rank == 0:
                 torch.save(pl_module.state_dict(), os.path.join(self.out, "pre_check1.pt"))
@@ -92,8 +92,7 @@ class AfterCheck(L.Callback):
             torch.save(blocks[0].state_dict(), os.path.join(self.out, f"inserted{trainer.global_rank}.pt"))
 
 
-def fit(out: str, epochs: int, same_buffers: bool, trial_gain: float | None = None, periodic: bool = False,
-        fork: bool = False) -> None:  # fmt: skip
+def fit(out: str, epochs: int, same_buffers: bool, trial_gain: float | None = None, fork: bool = False) -> None:
     os.makedirs(out, exist_ok=True)
     from growtrain.callbacks import probe_data
 
@@ -109,12 +108,8 @@ def fit(out: str, epochs: int, same_buffers: bool, trial_gain: float | None = No
     # trial_gain: the block-only trial decision instead, with that min_gain (5.0: no trial can pay)
     decision = {"decision": "rule", "min_gain": None} if trial_gain is None else {
         "decision": "trial", "min_gain": trial_gain, "trial_epochs": 0.5}
-    if periodic:  # the periodic schedule's window rule: every rank scores the whole probe per sample (rank 0's
-        # losses broadcast) and pairs them with a window ago; the second check (epoch 1) judges epoch 0's
-        decision = {"schedule": "periodic", "decision": "window", "window": 1, "min_gain": 0.0, "on_saturated": "anneal",
-                    "anneal_epochs": 1}  # fmt: skip
-    if fork:  # the paired fork: each rank's arm steps on its own batches, gradients averaged; every fork "pays"
-        decision = {"schedule": "periodic", "decision": "fork", "window": 1, "min_gain": 0.0, "on_saturated": "continue"}
+    if fork:  # the stage fork: each rank's arm steps on its own batches, gradients averaged; every fork "pays"
+        decision = {"schedule": "periodic", "decision": "stage_fork", "min_gain": 0.0, "on_saturated": "continue"}
     grow = GrowUntilSaturated(monitor=None, rule="crossfit", max_growths=2, every_n_epochs=1, **decision,
                               verbose=False)  # fmt: skip
     snapshot = Snapshot(out, same_buffers)
@@ -131,7 +126,6 @@ def fit(out: str, epochs: int, same_buffers: bool, trial_gain: float | None = No
         "rank": rank,
         "world_size": trainer.world_size,
         "history": grow.history,
-        "window_entries": grow._window.entries if grow._window is not None else None,
         "growth_log": module.network.growth_log,
         "param_groups": [g.get("name") for g in trainer.optimizers[0].param_groups],
         "probe_shard": [int(i) for i in shard.sampler],
@@ -152,8 +146,7 @@ def main() -> None:
     parser.add_argument("--no-rewrap", action="store_true", help="break DDP re-wrapping (the test's negative control)")
     parser.add_argument("--then-no-rewrap", metavar="OUT",
                         help="afterwards, in the same processes, the --no-rewrap fit into OUT (saves a launch)")
-    parser.add_argument("--then-window", metavar="OUT", help="afterwards, the periodic schedule's window rule into OUT")
-    parser.add_argument("--then-fork", metavar="OUT", help="afterwards, decision='fork' (every fork adopted) into OUT")
+    parser.add_argument("--then-fork", metavar="OUT", help="afterwards, decision='stage_fork' (every fork adopted) into OUT")
     parser.add_argument("--then-trial", metavar="OUT", nargs=2,
                         help="afterwards, the trial decision: an impossible min_gain into OUT1, min_gain=0 into OUT2")
     args = parser.parse_args()
@@ -169,8 +162,6 @@ def main() -> None:
     if args.then_trial:
         fit(args.then_trial[0], 1, False, trial_gain=5.0)
         fit(args.then_trial[1], 2, False, trial_gain=0.0)
-    if args.then_window:
-        fit(args.then_window, 4, False, periodic=True)
     if args.then_fork:
         from dataclasses import replace
 

@@ -244,9 +244,6 @@ def fit(args, name: str) -> None:
                               "reshard_after_forward": False}  # fmt: skip
     after = AfterGrowth()
     decision = {"decision": "rule", "min_gain": None}  # the cross-fit rule at alpha=0.5 decides every check
-    if run.startswith("window"):  # the periodic schedule's window rule: fsdp ("window") against ddp ("windowddp")
-        decision = {"schedule": "periodic", "decision": "window", "window": 1, "on_saturated": "anneal",
-                    "anneal_epochs": 1}  # fmt: skip
     if run.startswith("trial"):  # the block-only trial decides: fsdp ("trial") against ddp ("trialddp")
         decision = {"decision": "trial"}
     grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, rule="crossfit", max_growths=2, alpha=0.5, verbose=False,
@@ -255,13 +252,13 @@ def fit(args, name: str) -> None:
     ckpt_dir = os.path.join(out, f"{name}_ckpt")
     callbacks = [grow, after]
     strategy: object = "ddp"
-    if run not in ("ddp", "windowddp", "trialddp"):
+    if run not in ("ddp", "trialddp"):
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
                                          save_distributed_checkpoint=run != "full")  # fmt: skip
     if run in ("fsdp", "full"):
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1,
                                          save_on_train_epoch_end=True))  # fmt: skip
-    epochs = args.epochs + run.startswith("window")  # the window runs reserve their last epoch for the anneal
+    epochs = args.epochs
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs, callbacks=callbacks,
                         logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         default_root_dir=out, enable_checkpointing=run in ("fsdp", "full"))  # fmt: skip
@@ -290,7 +287,7 @@ def fit(args, name: str) -> None:
         "growth_log": module.growable_network.growth_log, "error": error,
         "param_groups": [g.get("name") for g in trainer.optimizers[0].param_groups] if trainer.optimizers else [],
         "after_growth": after.facts, "depth": module.growable_network.depth(),
-        "grown_sum": grown_sum, "trial_watch": trials.seen if trials is not None else None, "window_entries": grow._window.entries if grow._window is not None else None, "units": len(units), "root_states": [len(r._state_ctx.all_states) for r in roots],
+        "grown_sum": grown_sum, "trial_watch": trials.seen if trials is not None else None "units": len(units), "root_states": [len(r._state_ctx.all_states) for r in roots],
         "local_checksum": float(sum(p.to_local().double().sum() if hasattr(p, "to_local") else p.double().sum()
                                     for p in module.parameters())),
     }  # fmt: skip

@@ -268,7 +268,6 @@ def test_users_own_module_with_probe_loader_and_loss(tmp_path):
         ({"rule": "relative"}, "rule"),
         ({"decision": "gain"}, "decision"),
         ({"decision": "window"}, "decision"),
-        ({"window": 0}, "window"),
         ({"trial_epochs": 0}, "trial_epochs"),
         ({"min_gain": -0.1}, "min_gain"),
         ({"network": 3}, "network"),

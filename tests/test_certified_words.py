@@ -31,7 +31,7 @@ from growtrain.module import ImageClassifier
 from growtrain.plots import plot_gamma_trace
 from growtrain.saturation import measure_saturation
 from growtrain.trial import trial_verdict
-from growtrain.window import window_verdict
+from growtrain.fork import fork_verdict
 
 # Code values, not words: the record's ``action`` ("grow" / "saturated" / "budget", read by
 # programs) and the first-order report's ``paper_decision``; everything else is checked.
@@ -69,7 +69,7 @@ SMALL = {"site": "layer3.1", "paid": False, "lower_frac": 0.001, "gain_frac": 0.
          "level": 0.0167, "n": 12000}  # fmt: skip
 WIDE = {"site": "layer1.1", "paid": False, "lower_frac": -0.01, "gain_frac": 0.005, "upper_frac": 0.02,
         "level": 0.0167, "n": 500}  # fmt: skip
-WINDOW = {"gain_frac": -0.005, "level": 0.05, "n": 100}
+FORK = {"gain_frac": -0.005, "level": 0.05, "n": 100}
 # the stop an earlier version's decision="gain" (removed) wrote into a history that a resumed fit or
 # gamma_trace.png still shows: the verdict its gain_verdict made, never certified
 OLD_GAIN_STOP = dec.Verdict("gain", True, None, -0.002, 0.004, "no certified gain: depth stopped paying: the last "
@@ -82,12 +82,12 @@ STOPS = {
     "trial, not resolved below min_gain": (lambda: trial_verdict([SMALL, WIDE], 0.01), False),
     "trial, a trial diverged": (lambda: trial_verdict([{"site": "layer1.1", "diverged": True}, SMALL], 0.01), False),
     "trial, at chance level": (lambda: trial_verdict([SMALL], 0.01, chance="the network is at chance level"), False),
-    "window, upper bound below min_gain": (
-        lambda: window_verdict({**WINDOW, "lower_frac": -0.02, "upper_frac": 0.005}, window=6, epoch=9,
-                               reference_epoch=3, min_gain=0.01), True),  # fmt: skip
-    "window, not resolved": (
-        lambda: window_verdict({**WINDOW, "lower_frac": -0.02, "upper_frac": 0.03}, window=6, epoch=9,
-                               reference_epoch=3, min_gain=0.01), False),  # fmt: skip
+    "stage fork, upper bound below min_gain": (
+        lambda: fork_verdict({**FORK, "lower_frac": -0.02, "upper_frac": 0.005}, site="layer1.1, layer2.1",
+                             min_gain=0.01, horizon="8 epoch(s)"), True),  # fmt: skip
+    "stage fork, not resolved": (
+        lambda: fork_verdict({**FORK, "lower_frac": -0.02, "upper_frac": 0.03}, site="layer1.1, layer2.1",
+                             min_gain=0.01, horizon="8 epoch(s)"), False),  # fmt: skip
     "paper rule": (lambda: dec.paper_verdict(0.1, "layer1.1", 0.0, 0.5), False),
     "cross-fit rule": (lambda: dec.crossfit_verdict([-0.1, 0.0], ["layer1.1", "layer2.1"], 0.0, 0.01), False),
     "relative rule": (lambda: dec.relative_verdict([0.1], ["layer1.1"], 0.5, 0.5, 0.0, 0.01), False),

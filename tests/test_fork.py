@@ -1,5 +1,5 @@
-"""decision="fork": the run against a copy with one more block, trained on the same batches until
-the next check, compared on the probe (growtrain/fork.py, growtrain/callbacks/fork_check.py).
+"""decision="stage_fork": the run against a copy with one more block in every stage, trained on the
+same batches until the next check, compared on the probe (growtrain/fork.py, growtrain/callbacks/fork_check.py).
 
 The oracles are explicit: a copy of the network stepped by hand with plain torch optimizers on
 the batches the run trained on (recorded), and the run without any growth callback."""
@@ -177,7 +177,7 @@ def fit(tmp_path, callbacks, max_epochs=6):
 
 
 def fork_cb(**kw):
-    kw = {"schedule": "periodic", "decision": "fork", "every_n_epochs": 2, "window": 2, "min_gain": 0.01,
+    kw = {"schedule": "periodic", "decision": "stage_fork", "every_n_epochs": 2, "min_gain": 0.01,
           "on_saturated": "continue", "verbose": False} | kw
     return GrowUntilSaturated(**kw)
 
@@ -187,9 +187,9 @@ def test_an_open_fork_leaves_the_runs_training_untouched(tmp_path):
     the same run without any growth callback: same batches, same weights."""
     grow = fork_cb(min_gain=10.0)
     with_fork, trainer = fit(tmp_path, [grow], max_epochs=8)
-    # a fork at the best site of each stage, one after the other; none pays, so growth ends
-    assert [h["action"] for h in grow.history] == ["fork", "fork", "fork", "saturated"]
-    sites = [h["fork"]["site"] for h in grow.history[1:]]
+    # one fork with a block at the best site of each stage; it does not pay, so growth ends
+    assert [h["action"] for h in grow.history] == ["fork", "saturated"]
+    sites = grow.history[1]["fork"]["site"].split(", ")
     assert len({s.rpartition(".")[0] for s in sites}) == 3  # layer1, layer2, layer3
     assert grow.history[1]["fork"]["arm_steps"] == 2 * trainer.num_training_batches  # a step per batch, 2 epochs
     plain, _ = fit(tmp_path, [], max_epochs=8)
@@ -198,14 +198,15 @@ def test_an_open_fork_leaves_the_runs_training_untouched(tmp_path):
 
 
 def test_the_arm_is_the_network_plus_its_block_trained_on_the_runs_batches(tmp_path, monkeypatch):
-    """Independent recomputation: the network as it was when the fork opened, with the same block,
-    stepped by hand (SGD, the run's momentum state; the block's rate ramped up over the first half
-    of the horizon) on the recorded batches, is the arm the fork judged."""
+    """Independent recomputation: the network as it was when the fork opened, with the same blocks
+    (one per stage, seeded in insertion order), stepped by hand (SGD, the run's momentum state; the
+    blocks' rate ramped up over the first half of the horizon) on the recorded batches, is the arm
+    the fork judged."""
     opened, judged = {}, {}
     real_open, real_judge = fork_check.PairedFork.open, fork_check.PairedFork.judge
 
     def spy_open(self, pl_module, network, optimizer, site, *, epoch, step):
-        if not opened:  # the first fork (a retry at another stage opens the next)
+        if not opened:  # the first fork
             opened.update(net=copy.deepcopy(network), state=copy.deepcopy(optimizer.state_dict()), site=site,
                           seed=self._seed(self.forks), epoch=epoch)  # fmt: skip
         return real_open(self, pl_module, network, optimizer, site, epoch=epoch, step=step)
@@ -223,14 +224,19 @@ def test_the_arm_is_the_network_plus_its_block_trained_on_the_runs_batches(tmp_p
     net = opened["net"]
     opt = torch.optim.SGD(param_groups(net), lr=0.1, momentum=0.9)
     opt.load_state_dict(opened["state"])
-    block = net.grow(opened["site"], net.new_block(opened["site"], seed=opened["seed"]))
-    opt.add_param_group({**{k: v for k, v in opt.param_groups[0].items() if k != "params"},
-                         "params": list(block.parameters())})  # fmt: skip
+    from growtrain.growable import insertion_order
+
+    n_base = len(opt.param_groups)
+    for k, name in enumerate(insertion_order(list(opened["site"]))):  # deepest first within a stage
+        block = net.grow(name, net.new_block(name, seed=opened["seed"] + k))
+        opt.add_param_group({**{k: v for k, v in opt.param_groups[0].items() if k != "params"},
+                             "params": list(block.parameters())})  # fmt: skip
     net.train()
     after = [(x, y) for epoch, x, y, lr in record.batches if epoch > opened["epoch"]]
     ramp = round(0.5 * len(after))  # the block's rate ramps over the first half of the horizon (2 epochs)
     for t, batch in enumerate(after, start=1):
-        opt.param_groups[-1]["lr"] = 0.1 * min(1.0, t / ramp)
+        for group in opt.param_groups[n_base:]:
+            group["lr"] = 0.1 * min(1.0, t / ramp)
         step(net, opt, batch)
     x = record.batches[0][1]
     net.eval(), judged["arm"].eval()
@@ -247,25 +253,26 @@ def test_a_fork_that_pays_is_adopted_and_the_next_fork_opens(tmp_path, monkeypat
     model, _ = fit(tmp_path, [grow], max_epochs=8)
     grow_checks = [h for h in grow.history if h["action"] == "grow"]
     assert [h["action"] for h in grow.history][:3] == ["fork", "grow", "grow"]
-    assert all(h["site"] == h["fork"]["site"] for h in grow_checks)  # it grows the block it tested
+    assert all(", ".join(h["sites"]) == h["fork"]["site"] for h in grow_checks)  # it grows the blocks it tested
     assert grow.history[1]["fork"]["next_site"] is not None  # and forks again at once
-    assert model.network.depth() == 3 + len(grow_checks)
+    assert model.network.depth() == 3 + 3 * len(grow_checks)  # a block in each of the 3 stages per growth
 
 
 def test_the_fork_state_survives_the_callbacks_checkpoint(tmp_path):
-    grow = fork_cb(min_gain=10.0, every_n_epochs=3, window=3)
+    grow = fork_cb(min_gain=10.0, every_n_epochs=3)
     fit(tmp_path, [grow], max_epochs=4)  # the fork opened at epoch 2 is still open at the end
     state = grow.state_dict()
     assert state["fork"]["site"] is not None and "arm" in state["fork"]
-    fresh = fork_cb(min_gain=10.0, every_n_epochs=3, window=3)
+    fresh = fork_cb(min_gain=10.0, every_n_epochs=3)
     fresh.load_state_dict(state)
     assert fresh._fork.site == grow._fork.site and fresh._fork.steps == grow._fork.steps
     assert fresh.state_dict()["fork"]["arm"].keys() == state["fork"]["arm"].keys()
 
 
 @pytest.mark.parametrize("kw, arg", [
-    ({"decision": "fork"}, "decision"),  # the converged schedule
-    ({"schedule": "periodic", "decision": "fork", "min_gain": None}, "decision"),
+    ({"decision": "stage_fork"}, "decision"),  # the converged schedule
+    ({"schedule": "periodic", "decision": "stage_fork", "min_gain": None}, "decision"),
+    ({"schedule": "periodic", "decision": "fork"}, "decision"),  # the one-block fork: removed
 ])  # fmt: skip
 def test_bad_fork_options_are_refused_naming_the_argument(kw, arg):
     with pytest.raises(ValueError, match=rf"^{arg}:"):
@@ -401,16 +408,16 @@ def test_with_gradient_accumulation_the_arm_steps_when_the_run_does(tmp_path):
     assert judged["fork"]["arm_steps"] < 2 * trainer.num_training_batches  # not one per batch
 
 
-def test_a_stop_is_certified_only_when_every_stages_fork_bounded_its_block(tmp_path, monkeypatch):
-    """The first stage's fork not resolved below min_gain (its upper bound forced above), the next
-    two bounded below it: growth ends with "no certified gain" — the last fork alone is not the claim."""
+def test_a_stop_is_certified_only_when_the_forks_upper_bound_is_below_min_gain(tmp_path, monkeypatch):
+    """The stage fork not resolved below min_gain (its upper bound forced above): growth ends with "no
+    certified gain"; the same fork as measured (every block bounded below 1000 %): certified saturation."""
     real = fork_check.fork_test
     calls = []
 
     def test_(control, arm, **k):
         out = real(control, arm, **k)
         calls.append(out)
-        if len(calls) == 1:  # the first stage's fork: not resolved below min_gain
+        if len(calls) == 1:  # the fork: not resolved below min_gain
             out = {**out, "upper_frac": 20.0}
         return out
 
@@ -422,14 +429,7 @@ def test_a_stop_is_certified_only_when_every_stages_fork_bounded_its_block(tmp_p
     monkeypatch.setattr(fork_check, "fork_test", real)
     again = fork_cb(min_gain=10.0)
     fit(tmp_path, [again], max_epochs=8)
-    assert again.history[-1]["action"] == "saturated" and again.history[-1]["certified"]  # all three below 1000 %
-
-
-def test_the_fork_does_not_ask_for_a_window():
-    """`window` is the window rule's; a fork every 8 epochs needs no window of 8 or more."""
-    assert GrowUntilSaturated(schedule="periodic", decision="fork", every_n_epochs=8).every_n_epochs == 8
-    with pytest.raises(ValueError, match="^window:"):
-        GrowUntilSaturated(schedule="periodic", decision="window", every_n_epochs=8)
+    assert again.history[-1]["action"] == "saturated" and again.history[-1]["certified"]  # below 1000 %
 
 
 def test_the_fork_is_refused_where_its_arm_cannot_follow_the_run():
@@ -441,12 +441,12 @@ def test_the_fork_is_refused_where_its_arm_cannot_follow_the_run():
         _device_mesh, _tensor_parallel_size, _data_parallel_size = None, 1, 2
 
     fsdp = SimpleNamespace(strategy=ModelParallelStrategy(), world_size=1, precision_plugin=SimpleNamespace())
-    with pytest.raises(RuntimeError, match=r"^strategy: decision='fork'"):
+    with pytest.raises(RuntimeError, match=r"^strategy: decision='stage_fork'.*decision='trial' under FSDP2"):
         fork_cb().setup(fsdp, None, "fit")
     strategy = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False).strategy
     fp16 = SimpleNamespace(strategy=strategy, world_size=1, precision="16-mixed",
                            precision_plugin=SimpleNamespace(scaler=object()))  # fmt: skip
-    with pytest.raises(RuntimeError, match=r"^precision: decision='fork'.*Fix: pass precision='bf16-mixed'"):
+    with pytest.raises(RuntimeError, match=r"^precision: decision='stage_fork'.*Fix: pass precision='bf16-mixed'"):
         fork_cb().setup(fp16, None, "fit")
 
 
@@ -508,7 +508,7 @@ def test_a_stage_fork_grows_one_block_in_every_stage_and_adopts_the_arm(tmp_path
         return out
 
     monkeypatch.setattr(fork_check, "adopt", spy_adopt)
-    grow = fork_cb(decision="stage_fork", max_growths=1)
+    grow = fork_cb(max_growths=1)
     model, _ = fit(tmp_path, [grow], max_epochs=4)
     opened = grow.history[0]["fork"]["next_site"]
     assert len(opened) == 3 and len({s.rpartition(".")[0] for s in opened}) == 3  # one site per stage
@@ -526,7 +526,7 @@ def tiny_dm_batch():
 
 
 def test_a_stage_fork_that_does_not_pay_ends_growth_without_trying_a_stage_alone(tmp_path):
-    grow = fork_cb(decision="stage_fork", min_gain=10.0)
+    grow = fork_cb(min_gain=10.0)
     model, _ = fit(tmp_path, [grow], max_epochs=6)
     assert [h["action"] for h in grow.history] == ["fork", "saturated"]
     assert model.network.depth() == 3
@@ -584,7 +584,7 @@ def test_a_stage_fork_that_pays_but_does_not_fit_max_params_ends_growth_at_the_b
         real(test, **k), saturated=False, site=k["site"]))  # fmt: skip
     net = tiny_net()
     base, small = sum(p.numel() for p in net.parameters()), sum(p.numel() for p in net.new_block("layer1.1").parameters())
-    grow = fork_cb(decision="stage_fork", max_params=base + small + 1)  # the first stage's block fits, not all three
+    grow = fork_cb(max_params=base + small + 1)  # the first stage's block fits, not all three
     model, _ = fit(tmp_path, [grow], max_epochs=4)
     assert [h["action"] for h in grow.history] == ["fork", "budget"]
     assert "do not all fit" in grow.history[1]["reason"] and model.network.depth() == 3

@@ -1,8 +1,8 @@
 """GrowUntilSaturated under FSDP2 (Lightning's ModelParallelStrategy): 2 CPU processes (gloo).
 
-One launch of ``tests/fsdp_script.py`` runs seventeen fits in the same two processes (see its
+One launch of ``tests/fsdp_script.py`` runs fifteen fits in the same two processes (see its
 docstring): growtrain's decoder (``gpt``) under FSDP2 and under DDP on the same batches (with the
-first-order rule, the periodic window and the block-only trial deciding), a resume
+first-order rule and the block-only trial deciding), a resume
 from the FSDP2 run's sharded checkpoint, the same resume without the grower's hook, a full-state
 checkpoint, bf16 compute with a non-default policy, two negative controls (the new block left
 unsharded; an insertion that changes the function), a tiny random HF Llama under FSDP2, under
@@ -31,8 +31,8 @@ from growtrain.callbacks.sharded import equal_shards
 from tests.test_ddp import ROOT, _free_port, clean_env
 
 RUNS = ("gpt:fsdp", "gpt:ddp", "gpt:resume", "gpt:resume_unhooked", "gpt:full", "gpt:mp", "gpt:noshard",
-        "gpt:broken", "llama:fsdp", "llama:ddp", "llama:resume", "own:fsdp", "own:ddp", "gpt:window",
-        "gpt:windowddp", "gpt:trial", "gpt:trialddp")  # fmt: skip
+        "gpt:broken", "llama:fsdp", "llama:ddp", "llama:resume", "own:fsdp", "own:ddp",
+        "gpt:trial", "gpt:trialddp")  # fmt: skip
 LOCAL = ("max_abs_change", "tolerance")  # each rank verifies the insertion on its own first probe batch
 
 
@@ -108,25 +108,6 @@ def test_fsdp2_and_ddp_make_the_same_decisions_and_reach_the_same_parameters(run
     assert set(p_fsdp) == set(ddp_keys) and len(p_fsdp) > 10
     for key, value in p_fsdp.items():
         torch.testing.assert_close(value, ddp_keys[key], rtol=1e-5, atol=1e-6, msg=key)
-
-
-def test_the_periodic_window_rule_decides_under_fsdp2_as_under_ddp(runs):
-    """schedule='periodic' under FSDP2: every rank scores the whole probe per sample through the
-    sharded network (a collective forward), so the window's kept losses, its verdicts and the
-    grown blocks are those of the same fit under DDP."""
-    results, _ = runs
-    (fs, fs1), dd = results["gpt:window"], results["gpt:windowddp"][0]
-    assert [(h["action"], h.get("site")) for h in fs["history"]] == [(h["action"], h.get("site")) for h in dd["history"]]
-    # the first check's window is not full: it waits; a later, judged one grows a sharded block
-    assert fs["history"][0]["action"] == "wait" and fs["growth_log"] == dd["growth_log"] != []
-    assert fs["window_entries"] == fs1["window_entries"]  # one decision on every rank
-    for a, b in zip(fs["window_entries"], dd["window_entries"]):
-        assert a["epoch"] == b["epoch"]
-        torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=1e-5, atol=1e-6)
-    judged = [(a["window"], b["window"]) for a, b in zip(fs["history"], dd["history"]) if "gain_frac" in a.get("window", {})]
-    assert judged, "no check had a full window"
-    for a, b in judged:
-        assert a["gain_frac"] == pytest.approx(b["gain_frac"], rel=1e-4, abs=1e-7)
 
 
 def test_block_only_trials_run_under_fsdp2_as_under_ddp_and_leave_the_network_as_it_was(runs):
@@ -268,10 +249,14 @@ def test_refused_strategies_name_the_reason_and_the_alternative():
     with pytest.raises(RuntimeError, match=r"tensor_parallel_size=2 .*Fix: ModelParallelStrategy\(data_parallel_size=2"):
         _setup(ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2))
     fsdp2 = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    # every decision passes the strategy check under FSDP2 (the block-only trial too: gpt:trial runs it)
-    for accepted in ({}, {"decision": "trial"}, {"schedule": "periodic"}, {"decision": "rule", "min_gain": None}):
+    # every decision but the stage fork passes the strategy check under FSDP2 (the block-only trial too: gpt:trial
+    # runs it); the stage fork's arm is a full, unsharded copy: refused with the fix
+    for accepted in ({}, {"decision": "trial"}, {"schedule": "periodic", "decision": "trial"},
+                     {"decision": "rule", "min_gain": None}):  # fmt: skip
         with pytest.raises(ValueError, match="probe: no probe data"):  # on to the next one (no datamodule here)
             _setup(fsdp2, **accepted)
+    with pytest.raises(RuntimeError, match=r"^strategy: decision='stage_fork' .*decision='trial' under FSDP2"):
+        _setup(fsdp2, schedule="periodic")
 
 
 def test_equal_shards_give_every_rank_the_same_number_of_probe_samples():

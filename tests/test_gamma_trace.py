@@ -112,97 +112,89 @@ def test_a_gain_history_shows_the_realized_gain_panel_its_growths_and_its_stop(t
     assert (tmp_path / "trace.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def window(epoch, reference=None, gain=None, lower=None, upper=None, min_gain=0.01):
-    """A decision="window" record's entry (growtrain/callbacks/window_check.py): the gain, its bounds and the
-    probe loss at the window's start only once the window is full."""
-    entry = {"window": 4, "reference_epoch": reference, "epoch": epoch, "min_gain": min_gain, "loss_now": 0.5,
-             "saturated": False, "certified": False, "reason": "wait: the 4-epoch window is not full yet"}  # fmt: skip
+def fork(gain=None, lower=None, upper=None, min_gain=0.01):
+    """A decision="stage_fork" record's entry (growtrain/callbacks/fork_check.py): a check that opened
+    a fork carries no figures; a judged fork its gain, its bounds and the run's probe loss."""
+    entry = {"open_new": True, "min_gain": min_gain, "reason": "fork: no fork was open; ..."}
     if gain is not None:
         saturated, certified = lower <= min_gain, upper < min_gain
-        entry.update(gain_frac=gain, lower_frac=lower, upper_frac=upper, loss_before=0.6, n=200, level=0.05,
-                     saturated=saturated, certified=saturated and certified)  # fmt: skip
+        entry = {"site": "layer1.1, layer2.1, layer3.1", "min_gain": min_gain, "gain_frac": gain, "lower_frac": lower,
+                 "upper_frac": upper, "loss_before": 0.6, "loss_now": 0.55, "n": 200, "level": 0.05, "cooled": True,
+                 "saturated": saturated, "certified": saturated and certified, "reason": "..."}  # fmt: skip
     return entry
 
 
-def window_history():
-    """schedule="periodic", every 2 epochs, a 4-epoch window: waits at 1 and 3 (window not full: nothing
-    compared, nothing grown), grows at 5 (the probe loss fell by a certified > 1 % since epoch 1), stops
-    at 7 (its upper bound is below 1 %)."""
+def fork_history():
+    """schedule="periodic", every 2 epochs: a fork opens at 1 (nothing compared, nothing grown), pays at 3
+    (the arm's blocks lowered the probe loss by a certified > 1 %: grown, a fork opens again), and does not
+    at 5 (its upper bound is below 1 %: certified saturation)."""
     base = {"gamma": 0.2, "threshold": 0.6, "margin": 0.0, "rule": "crossfit"}
-    grow = lambda epoch, site, depth, entry: {**base, "epoch": epoch, "lower": 0.03, "action": "grow",  # noqa: E731
-                                              "site": site, "sites": [site], "depth_before": depth,
-                                              "depth": depth + 1, "certified": False, "window": entry}
-    wait = lambda epoch: {**base, "epoch": epoch, "lower": 0.03, "action": "wait", "site": None,  # noqa: E731
-                          "sites": [], "depth_before": 3, "depth": 3, "certified": False, "window": window(epoch)}
+    sites = ["layer1.1", "layer2.1", "layer3.1"]
     return [
-        wait(1),
-        wait(3),
-        grow(5, "layer3.1", 3, window(5, 1, 0.08, 0.05, 0.11)),
-        {**base, "epoch": 7, "lower": -0.01, "action": "saturated", "site": None, "sites": [], "depth_before": 4,
-         "depth": 4, "certified": True, "window": window(7, 3, 0.004, -0.002, 0.009),
-         "reason": "certified saturation: the probe loss fell from epoch 3 to 7 by 0.40 %"},
+        {**base, "epoch": 1, "lower": 0.03, "action": "fork", "site": None, "sites": [], "depth_before": 3,
+         "depth": 3, "certified": False, "fork": fork()},
+        {**base, "epoch": 3, "lower": 0.03, "action": "grow", "site": sites[0], "sites": sites, "depth_before": 3,
+         "depth": 6, "certified": False, "fork": {**fork(0.08, 0.05, 0.11), "next_site": sites}},
+        {**base, "epoch": 5, "lower": -0.01, "action": "saturated", "site": None, "sites": [], "depth_before": 6,
+         "depth": 6, "certified": True, "fork": fork(0.004, -0.002, 0.009),
+         "reason": "certified saturation: with the blocks at layer1.1, layer2.1, layer3.1 ..."},
     ]  # fmt: skip
 
 
-def test_under_the_window_rule_the_window_panel_shows_what_decided():
-    history = window_history()
+def test_under_the_stage_fork_its_panel_shows_what_decided():
+    history = fork_history()
     fig = plot_gamma_trace(history)
     panel, first, paper = fig.axes  # what decided on top
-    full = [h for h in history if "gain_frac" in h["window"]]
-    pct = lambda key: [100 * h["window"][key] for h in full]  # noqa: E731  # % of the loss
+    full = [h for h in history if "gain_frac" in h["fork"]]
+    pct = lambda key: [100 * h["fork"][key] for h in full]  # noqa: E731  # % of the loss
     lines = _points(panel)
-    assert lines["window gain (estimate)"] == ([5, 7], pct("gain_frac"))
-    assert lines["its certified lower bound (grow above min_gain)"] == ([5, 7], pct("lower_frac"))
-    assert lines["its upper bound (certified saturation below min_gain)"] == ([5, 7], pct("upper_frac"))
-    assert lines["min_gain"] == ([5, 7], [1.0, 1.0])
-    # the checks whose window was not full compared nothing: marked at the panel's bottom, not drawn as a gain
-    (empty,) = [line for line in panel.get_lines() if line.get_label().startswith("window not full yet")]
-    assert list(empty.get_xdata()) == [1, 3] and empty.get_transform() is panel.get_xaxis_transform()
-    assert "over the last 4 epochs against min_gain" in panel.get_title(loc="left")
-    assert panel.get_ylabel() == "% of the probe loss"
-    # the first-order scores only chose the site: reported, none "decided"
+    assert lines["the arm's gain (estimate)"] == ([3, 5], pct("gain_frac"))
+    assert lines["its certified lower bound (grow above min_gain)"] == ([3, 5], pct("lower_frac"))
+    assert lines["its upper bound (certified saturation below min_gain)"] == ([3, 5], pct("upper_frac"))
+    assert lines["min_gain"] == ([3, 5], [1.0, 1.0])
+    # the check that only opened a fork compared nothing: marked at the panel's bottom, not drawn as a gain
+    (empty,) = [line for line in panel.get_lines() if line.get_label().startswith("a fork opened")]
+    assert list(empty.get_xdata()) == [1] and empty.get_transform() is panel.get_xaxis_transform()
+    assert panel.get_title(loc="left").startswith("stage fork:") and panel.get_ylabel() == "% of the probe loss"
+    # the first-order scores only chose the sites: reported, none "decided"
     lines = _points(first)
-    assert lines["best certified lower bound (reported)"] == ([1, 3, 5, 7], [0.03, 0.03, 0.03, -0.01])
-    assert "best certified lower bound (decided)" not in lines and "chose the site to grow" in first.get_title(loc="left")
+    assert lines["best certified lower bound (reported)"] == ([1, 3, 5], [0.03, 0.03, -0.01])
+    assert "best certified lower bound (decided)" not in lines and "chose the fork's sites" in first.get_title(loc="left")
     for ax in fig.axes:
-        assert _vlines(ax, "C3", "-") == [5] and _vlines(ax, "k", ":") == [7]  # the waits grew nothing
-    assert {"layer3.1", "stop: certified saturation"} <= set(_notes(panel))
+        assert _vlines(ax, "C3", "-") == [3] and _vlines(ax, "k", ":") == [5]  # the opening grew nothing
     footer = fig._supxlabel.get_text().replace("\n", " ")
-    assert "Final network: depth 4 (started at 3); blocks grown and kept: layer3.1." in footer
-    assert "Growth stopped at epoch 7 (certified saturation): certified saturation: the probe loss fell" in footer
+    assert "Final network: depth 6 (started at 3)" in footer
 
 
-def test_a_window_rule_fit_whose_window_never_filled_still_has_its_panel():
-    """Every check waited for a full window: the panel marks them all, with no gain drawn."""
-    panel, first, paper = plot_gamma_trace(window_history()[:2]).axes
+def test_a_stage_fork_fit_whose_fork_was_never_judged_still_has_its_panel():
+    """The only check opened a fork: the panel marks it, with no gain drawn."""
+    panel, first, paper = plot_gamma_trace(fork_history()[:1]).axes
     lines = _points(panel)
-    assert lines["window not full yet: nothing compared (waits)"][0] == [1, 3]
-    assert "window gain (estimate)" not in lines and "min_gain" not in lines
-    assert "no check's window was full yet: no gain measured" in _notes(panel)
+    assert lines["a fork opened: nothing compared yet"][0] == [1]
+    assert "the arm's gain (estimate)" not in lines and "min_gain" not in lines
+    assert "no fork was judged yet: no gain measured" in _notes(panel)
 
 
-def test_a_real_window_rule_fits_history_draws_its_panel(tmp_path):
-    """The callback's own records (not the synthetic ones above): a periodic fit whose window can never pay
-    (min_gain = 1000 %) waits while its window is not full, then stops at the first full one."""
+def test_a_real_stage_fork_fits_history_draws_its_panel(tmp_path):
+    """The callback's own records (not the synthetic ones above): a periodic fit whose fork can never pay
+    (min_gain = 1000 %) opens one at its first check and stops when it is judged at the next."""
     from growtrain.plots import outcome
     from tests.test_periodic import periodic_fit
 
-    grow, *_ = periodic_fit(tmp_path, max_epochs=12, min_gain=10.0)
+    grow, *_ = periodic_fit(tmp_path, max_epochs=12, decision="stage_fork", rule="crossfit", t=None, min_gain=10.0)
     history = grow.history
-    empty = [h["epoch"] for h in history if "gain_frac" not in h["window"]]
-    full = [h for h in history if "gain_frac" in h["window"]]
-    assert empty and len(full) == 1 and history[-1] is full[0] and history[-1]["action"] == "saturated"
+    empty = [h["epoch"] for h in history if "gain_frac" not in h["fork"]]
+    full = [h for h in history if "gain_frac" in h["fork"]]
+    assert empty == [0] and len(full) == 1 and history[-1] is full[0] and history[-1]["action"] == "saturated"
     panel, first, paper = plot_gamma_trace(history).axes
     lines = _points(panel)
-    last = history[-1]["window"]
-    assert lines["window not full yet: nothing compared (waits)"][0] == empty
-    assert lines["window gain (estimate)"] == ([last["epoch"]], [100 * last["gain_frac"]])
-    assert lines["its certified lower bound (grow above min_gain)"] == ([last["epoch"]], [100 * last["lower_frac"]])
-    assert lines["its upper bound (certified saturation below min_gain)"] == ([last["epoch"]], [100 * last["upper_frac"]])
-    assert lines["min_gain"] == ([last["epoch"]], [1000.0])
-    assert "over the last 2 epochs" in panel.get_title(loc="left")
+    last = history[-1]["fork"]
+    assert lines["a fork opened: nothing compared yet"][0] == empty
+    assert lines["the arm's gain (estimate)"] == ([1], [100 * last["gain_frac"]])
+    assert lines["its certified lower bound (grow above min_gain)"] == ([1], [100 * last["lower_frac"]])
+    assert lines["its upper bound (certified saturation below min_gain)"] == ([1], [100 * last["upper_frac"]])
+    assert lines["min_gain"] == ([1], [1000.0])
     assert f"stop: {outcome(history[-1])}" in _notes(panel)
-
 
 def test_a_fit_that_ended_before_growth_did_says_so():
     history = trial_history()[:2]

@@ -80,7 +80,7 @@ def test_no_check_message_without_a_monitor_names_every_n_epochs():
     assert "a smaller every_n_epochs" in text
 
 
-@pytest.mark.parametrize("interval", [{"every_n_epochs": 5}, {"min_steps_between_checks": 1000, "window": 3000}])
+@pytest.mark.parametrize("interval", [{"every_n_epochs": 5}, {"min_steps_between_checks": 1000}])
 def test_a_periodic_fit_without_a_check_names_its_interval_not_a_monitor(tmp_path, interval):
     """The periodic schedule never consults the monitor: a fit too short for its first check says
     which interval was too long (in epochs, or in optimizer steps), with the fix."""
@@ -271,16 +271,16 @@ def test_the_stopping_experiments_scratch_rule_does_not_warn_about_every_n_epoch
 
 def test_the_stopping_experiments_rules_keep_a_step_interval():
     """A growth callback counting optimizer steps (min_steps_between_checks) is rebuilt for the seeded
-    growth rows and the scratch rows with its interval and window, not with every_n_epochs=1 beside it
+    growth rows and the scratch rows with its interval, not with every_n_epochs=1 beside it
     (which would be refused)."""
     from growtrain.experiments.stopping import _scratch_grower, _seeded_grower
 
-    grow = GrowUntilSaturated(schedule="periodic", min_steps_between_checks=890, window=2670, on_saturated="anneal")
+    grow = GrowUntilSaturated(schedule="periodic", min_steps_between_checks=890, on_saturated="anneal")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         seeded, scratch = _seeded_grower(grow, 2), _scratch_grower(grow)
     for rebuilt in (seeded, scratch):
-        assert (rebuilt.min_steps_between_checks, rebuilt.window, rebuilt._window.unit) == (890, 2670, "step")
+        assert (rebuilt.min_steps_between_checks, rebuilt.decision) == (890, "stage_fork")
         assert rebuilt._schedule.min_steps_between_checks == 890
     assert (seeded.seed, scratch.max_growths) == (2, 0)
 

@@ -1,5 +1,5 @@
 """`growtrain measure` says which question it answers (the first-order value of a new block, not
-the trial's or the window's) and, on a checkpoint whose fit ended growth, how its verdict
+the trial's or the stage fork's) and, on a checkpoint whose fit ended growth, how its verdict
 relates to the fit's (read from the growth callback's state in the checkpoint); it measures on the
 split the checkpoint was trained with (or refuses), and says why its figures can differ from the
 fit's last check (and reproduces them when nothing differs)."""
@@ -34,16 +34,14 @@ def tiny_dm() -> ImageDataModule:
 
 def fit(tmp_path, decision="trial", min_gain=10.0, **kw):
     """A planted fit that ends growth by its decision: min_gain=10 (a tenfold drop of the held-out loss) is
-    beyond any block (decision="trial": the first check's trials) and any window of the periodic schedule
-    (decision="window": the first full window, 2 epochs after the first check). Checkpoints every epoch."""
+    beyond any block (decision="trial": the first check's trials) and any stage fork of the periodic
+    schedule (decision="stage_fork": opened at the first check, judged at the next). Checkpoints every epoch."""
     import lightning as L
 
     from growtrain import GrowUntilSaturated
 
     L.seed_everything(0)
-    if decision == "window":
-        how = {"schedule": "periodic", "every_n_epochs": 1, "window": 2}
-    elif decision in ("fork", "stage_fork"):  # a fork opened at the first check, judged at the next: 10x never pays
+    if decision == "stage_fork":  # a fork opened at the first check, judged at the next: 10x never pays
         how = {"schedule": "periodic", "every_n_epochs": 1}
     else:
         how = {"every_n_epochs": 2, "lr_schedule": "anneal"}
@@ -88,8 +86,7 @@ def test_the_fits_verdict_is_read_from_the_checkpoint_and_related():
 
 @pytest.mark.parametrize("decision, how", [
     ("trial", "block-only trials (decision='trial')"),
-    ("window", "(decision='window')"),
-    ("stage_fork", "the paired fork (decision='fork' or 'stage_fork')"),
+    ("stage_fork", "the paired stage fork (decision='stage_fork')"),
 ])  # fmt: skip
 def test_measure_on_a_fit_that_ended_growth_says_how_the_verdicts_relate(tmp_path, decision, how):
     """A planted fit ends growth by its decision (nothing pays min_gain=10); measure on its last.ckpt

@@ -34,6 +34,7 @@ FORMER_OPTIONS = {
     "cooldown": 1, "probe_budget": 0.05, "tau": 0.5, "alpha_spending": "geometric", "restore_best": True,
     "trial_growth": True, "trial_lr": 1e-3, "trial_holdout": 20000, "trial_sites": 3, "top_k": 1, "max_blocks": 8,
     "projected": False, "calibrate": True, "log_sites": True, "min_delta": 0.0,
+    "window": 6,  # the window rule's J, removed with decision="window" (its depth followed the interval)
 }  # fmt: skip
 
 
@@ -60,11 +61,11 @@ def test_the_trial_constants_are_the_default_decisions():
 
 
 # -- what is left ------------------------------------------------------------------------------------
-def test_at_most_26_options_none_removed_and_the_callback_takes_exactly_them():
-    # 25 after the removal, + min_steps_between_checks (ninth session: the check interval and window in
-    # optimizer steps, docs/callback.md says why)
+def test_at_most_25_options_none_removed_and_the_callback_takes_exactly_them():
+    # 25 after the first removal, + min_steps_between_checks (the check interval in optimizer steps,
+    # docs/callback.md says why), − window (removed with its decision)
     names = GrowthConfig.names()
-    assert len(names) == len(set(names)) <= 26
+    assert len(names) == len(set(names)) <= 25
     assert not set(names) & set(FORMER_OPTIONS)
     signature = inspect.signature(GrowUntilSaturated.__init__).parameters
     assert not any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in signature.values())  # no **kwargs at all
@@ -73,7 +74,7 @@ def test_at_most_26_options_none_removed_and_the_callback_takes_exactly_them():
     assert {n: signature[n].default for n in names} == defaults
     grow = GrowUntilSaturated(verbose=False)
     assert not any(hasattr(grow, n) for n in FORMER_OPTIONS)  # no attribute left behind either
-    assert DECISIONS == ("trial", "window", "rule", "fork", "stage_fork")
+    assert DECISIONS == ("trial", "rule", "stage_fork")
 
 
 def test_the_removed_values_of_kept_options_are_refused_with_the_fix():
@@ -85,9 +86,16 @@ def test_the_removed_values_of_kept_options_are_refused_with_the_fix():
         with pytest.raises(ValueError) as info:
             GrowUntilSaturated(**kwargs)
         message = str(info.value)
-        assert message.startswith("decision: expected one of ('trial', 'window', 'rule', 'fork', 'stage_fork'); "
+        assert message.startswith("decision: expected one of ('trial', 'rule', 'stage_fork'); "
                                   "got 'gain'. Fix: pass decision='trial'"), message  # fmt: skip
         assert "schedule='periodic'" in message.split("Fix:")[1]
+    for removed in ("window", "fork"):  # followed the check interval, not the data: removed, with the way on
+        with pytest.raises(ValueError) as info:
+            GrowUntilSaturated(schedule="periodic", decision=removed)
+        message = str(info.value)
+        assert message.startswith(f"decision: expected one of ('trial', 'rule', 'stage_fork'); got '{removed}'. Fix: "
+                                  "pass decision='stage_fork'"), message  # fmt: skip
+        assert "docs/results/history.md" in message
 
 
 # -- the checkpoint state round-trips -----------------------------------------------------------------

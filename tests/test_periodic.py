@@ -1,6 +1,7 @@
-"""The periodic schedule (``schedule="periodic"``): a check every K epochs at the constant rate,
-the window rule that ends growth when the growing run stops paying, and the final anneal reserved
-inside ``max_epochs`` (growtrain/window.py, growtrain/callbacks/window_check.py)."""
+"""The periodic schedule (``schedule="periodic"``): a check every K epochs (or optimizer steps) at the
+constant rate, and the final anneal reserved inside ``max_epochs`` and ``max_steps``. The schedule is
+tested with the first-order rule deciding (``t`` tiny: every check grows; huge: none does); the stage
+fork that decides by default is tests/test_fork.py's."""
 
 from __future__ import annotations
 
@@ -12,116 +13,26 @@ import torch
 
 from growtrain.callbacks import GrowUntilSaturated
 from growtrain.callbacks.growth_config import GrowthConfig
-from growtrain.callbacks.window_check import WindowRule
 from growtrain.data import ImageDataModule
 from growtrain.module import ImageClassifier
-from growtrain.window import window_prune, window_reference, window_test, window_verdict
-
-
-def entries(*epochs):
-    return [{"epoch": e, "losses": [1.0, 2.0], "signature": [0.0, 1.0]} for e in epochs]
-
-
-def test_the_reference_is_the_latest_check_at_least_a_window_back():
-    kept = entries(1, 3, 5, 7)
-    assert window_reference(kept, 7, 6) is kept[0]
-    assert window_reference(kept, 9, 6) is kept[1]  # epoch 3 = 9 − 6
-    assert window_reference(kept, 10, 6) is kept[1]  # epoch 4 was never checked: the latest before it
-    assert window_reference(kept, 6, 6) is None  # not full yet
-    # pruning keeps today's reference and everything after it; a later check can use no earlier one
-    assert [e["epoch"] for e in window_prune(kept, 10, 6)] == [3, 5, 7]
-    assert [e["epoch"] for e in window_prune(kept, 6, 6)] == [1, 3, 5, 7]
-
-
-def test_the_window_test_is_the_paired_gain_as_a_fraction_of_the_loss():
-    g = torch.Generator().manual_seed(0)
-    before = torch.distributions.Exponential(torch.tensor(2.0)).sample((500,)).double()
-    after = before * 0.9 + 0.01 * torch.rand(500, generator=g, dtype=torch.float64)
-    test = window_test(before, after, min_gain=0.01, level=0.05, seed=3)
-    independent = float((before.mean() - after.mean()) / before.mean())
-    assert test["gain_frac"] == pytest.approx(independent, rel=1e-12)
-    assert test["lower_frac"] < test["gain_frac"] < test["upper_frac"]
-    se = float((before - after).std() / math.sqrt(500) / before.mean())
-    assert test["gain_frac"] - test["lower_frac"] == pytest.approx(1.645 * se, rel=0.25)  # a one-sided 95 % bound
-
-
-@pytest.mark.parametrize("lower, upper, words", [
-    (0.05, 0.09, "grow: the growing run still pays"),
-    (-0.02, 0.005, "certified saturation"),
-    (-0.02, 0.03, "no certified gain over the last 6 epochs"),
-])  # fmt: skip
-def test_the_verdict_says_what_it_certified(lower, upper, words):
-    test = {"lower_frac": lower, "upper_frac": upper, "gain_frac": (lower + upper) / 2, "level": 0.05, "n": 100}
-    verdict = window_verdict(test, window=6, epoch=9, reference_epoch=3, min_gain=0.01)
-    assert words in verdict.reason and verdict.saturated is (lower <= 0.01)
-    if "no certified gain" in words:
-        assert "certified saturation" not in verdict.reason and "±" in verdict.reason
-    first = window_verdict(None, window=6, epoch=1, reference_epoch=None, min_gain=0.01)
-    assert not first.saturated and "not full yet" in first.reason
-
-
-def _skewed_window(n, gain, g):
-    """Per-sample losses of a window whose true mean gain is exactly ``gain`` of the loss: skewed
-    (log-normal, as per-sample cross-entropy is), paired with heavy-tailed noise."""
-    before = torch.exp(torch.randn(n, generator=g, dtype=torch.float64) * 1.2) * 0.3
-    noise = torch.exp(torch.randn(n, generator=g, dtype=torch.float64)) - math.exp(0.5)  # mean 0, skewed
-    return before, before * (1 - gain) + 0.05 * noise
-
-
-def test_the_window_rule_grows_wrongly_at_most_alpha_of_the_time_on_skewed_losses():
-    """At a true window gain of exactly min_gain, "grow" is an error: through the rule's own code
-    path it happens at most ~α of the time; a broken rule that forgets the margin (min_gain=0
-    in the test) grows almost always, so the check has teeth."""
-    g = torch.Generator().manual_seed(1)
-    rule_grows = broken_grows = 0
-    reps, min_gain = 300, 0.02
-    for rep in range(reps):
-        before, after = _skewed_window(400, min_gain, g)
-        rule = WindowRule(window=2, min_gain=min_gain, seed=rep)
-        sig = torch.arange(400, dtype=torch.float64)
-        rule.decide(before, sig, epoch=0, level=0.05, check=0)
-        verdict, _ = rule.decide(after, sig, epoch=2, level=0.05, check=1)
-        rule_grows += not verdict.saturated
-        broken = window_test(before, after, min_gain=0.0, level=0.05, seed=rep)
-        broken_grows += broken["lower_frac"] > 0.0
-    assert rule_grows / reps <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / reps)
-    assert broken_grows / reps > 0.5
-
-
-def test_the_window_rule_pairs_the_right_check_and_refuses_another_probe():
-    rule = WindowRule(window=4, min_gain=0.01)
-    sig = torch.arange(6, dtype=torch.float64)
-    losses = {1: torch.full((6,), 2.0), 3: torch.full((6,), 1.5), 5: torch.full((6,), 1.0)}
-    for epoch, loss in losses.items():
-        loss = loss + 0.01 * torch.arange(6)
-        verdict, record = rule.decide(loss.double(), sig, epoch=epoch, level=0.05, check=epoch)
-    assert record["reference_epoch"] == 1  # 5 − 4
-    expected = ((losses[1] - losses[5]).mean() / (losses[1] + 0.01 * torch.arange(6)).mean()).item()
-    assert record["gain_frac"] == pytest.approx(expected)
-    state = rule.state_dict()  # the kept losses travel in the checkpoint
-    again = WindowRule(window=4, min_gain=0.01)
-    again.load_state_dict(state)
-    assert [e["epoch"] for e in again.entries] == [e["epoch"] for e in rule.entries] == [1, 3, 5]
-    with pytest.raises(ValueError, match="pairs every probe sample"):
-        again.decide(torch.ones(6, dtype=torch.float64), sig + 1, epoch=7, level=0.05, check=7)
 
 
 @pytest.mark.parametrize("kw, arg", [
     ({"schedule": "weekly"}, "schedule"),
-    ({"schedule": "periodic", "every_n_epochs": 4, "window": 2}, "window"),
-    ({"schedule": "periodic", "window": 0}, "window"),
     ({"schedule": "periodic", "lr_schedule": "anneal"}, "lr_schedule"),
-    ({"decision": "window"}, "decision"),
+    ({"schedule": "periodic", "decision": "window"}, "decision"),  # removed: its depth followed K
+    ({"schedule": "periodic", "decision": "fork"}, "decision"),  # removed: the one-block fork, likewise
+    ({"decision": "stage_fork"}, "decision"),  # a fork is judged at the next periodic check
     ({"schedule": "periodic", "decision": "gain"}, "decision"),
-    ({"schedule": "periodic", "decision": "window", "min_gain": None}, "decision"),
+    ({"schedule": "periodic", "decision": "stage_fork", "min_gain": None}, "decision"),
 ])  # fmt: skip
 def test_bad_periodic_options_are_refused_naming_the_argument(kw, arg):
     with pytest.raises(ValueError, match=rf"^{arg}: expected .*Fix: "):
         GrowUntilSaturated(**kw)
 
 
-def test_the_periodic_schedule_decides_by_the_window_by_default():
-    assert GrowUntilSaturated(schedule="periodic").decision == "window"
+def test_the_periodic_schedule_decides_by_the_stage_fork_by_default():
+    assert GrowUntilSaturated(schedule="periodic").decision == "stage_fork"
     assert GrowUntilSaturated().decision == "trial"  # the converged schedule keeps its default
 
 
@@ -140,7 +51,7 @@ def tiny_dm() -> ImageDataModule:
 
 def periodic_fit(tmp_path, max_epochs=9, **kw):
     L.seed_everything(0)
-    kw = {"every_n_epochs": 1, "window": 2, "min_gain": 0.01, "anneal_epochs": 3, "on_saturated": "anneal"} | kw
+    kw = {"every_n_epochs": 1, "anneal_epochs": 3, "on_saturated": "anneal"} | ALWAYS | kw
     grow = GrowUntilSaturated(schedule="periodic", verbose=False, **kw)
     lr = LrLog()
     trainer = L.Trainer(max_epochs=max_epochs, callbacks=[grow, lr], logger=False, enable_progress_bar=False,
@@ -152,53 +63,30 @@ def periodic_fit(tmp_path, max_epochs=9, **kw):
     return grow, model, trainer, lr
 
 
-@pytest.fixture
-def always_pays(monkeypatch):
-    """The window's verdict forced to "grow" (its figures still computed): growth then goes on
-    until the final phase's reservation ends it."""
-    from dataclasses import replace
-
-    from growtrain.callbacks import window_check
-
-    real = window_check.window_verdict
-    monkeypatch.setattr(window_check, "window_verdict", lambda *a, **k: replace(real(*a, **k), saturated=False))
+# The paper's rule with t tiny: Γ̂ > δ + t at every check, so every check grows until the final phase's
+# reservation ends growth; with t huge no check grows.
+ALWAYS = {"decision": "rule", "rule": "paper", "t": 1e-9, "min_gain": None}
+NEVER = ALWAYS | {"t": 1e9}
 
 
-def test_a_periodic_fit_checks_every_k_epochs_at_the_constant_rate_then_anneals_once(tmp_path, always_pays):
-    grow, model, trainer, lr = periodic_fit(tmp_path, max_epochs=11, every_n_epochs=2, window=4)
+def test_a_periodic_fit_checks_every_k_epochs_at_the_constant_rate_then_anneals_once(tmp_path):
+    grow, model, trainer, lr = periodic_fit(tmp_path, max_epochs=11, every_n_epochs=2)
     epochs = [h["epoch"] for h in grow.history]
     assert epochs == [1, 3, 5, 7]  # every 2 epochs; the last 3 of 11 are the final anneal's
-    # epochs 1, 3 have no check 4 epochs back: nothing compared, nothing grown (no blind growth)
-    assert [h["action"] for h in grow.history] == ["wait", "wait", "grow", "budget"]
-    assert all(h["window"]["reason"].startswith("wait:") and "not full yet" in h["window"]["reason"]
-               and h["sites"] == [] and h["depth_before"] == 3 for h in grow.history[:2])  # fmt: skip
-    assert grow.history[2]["window"]["reference_epoch"] == 1
+    assert [h["action"] for h in grow.history] == ["grow", "grow", "grow", "budget"]
     assert "reserved for the final anneal" in grow.history[-1]["reason"]
-    assert model.network.depth() == 4 and len(model.network.growth_log) == 1
+    assert model.network.depth() == 6 and len(model.network.growth_log) == 3
     assert lr.lrs[:8] == [0.1] * 8  # the constant rate while growing: no anneal before a check
     cosine = [0.1 * 0.5 * (1 + math.cos(math.pi * (k + 1) / 4)) for k in range(3)]
     assert lr.lrs[8:] == pytest.approx(cosine)  # one final anneal, complete inside max_epochs
     assert trainer.current_epoch == 11 and grow.growth_epochs == 8 and grow.final_epochs == 3
 
 
-def test_the_window_ends_growth_and_the_final_anneal_follows_at_once(tmp_path):
-    grow, model, trainer, lr = periodic_fit(tmp_path, max_epochs=12, min_gain=10.0)  # no window can pay 1000 %
-    actions = [h["action"] for h in grow.history]
-    assert actions == ["wait", "wait", "saturated"]  # epochs 0, 1 have no check 2 epochs back; epoch 2 does
-    assert grow.history[-1]["window"]["reference_epoch"] == 0
-    assert model.network.depth() == 3 and grow.growth_epochs == 3 and not model.network.growth_log
-    assert trainer.current_epoch == 6 and grow.final_epochs == 3  # stopped after the anneal, not at max_epochs
-
-
-def test_the_window_state_survives_the_callbacks_checkpoint(tmp_path, always_pays):
-    grow, *_ = periodic_fit(tmp_path, max_epochs=8)
-    state = grow.state_dict()
-    # checks at epochs 0-3 (epoch 4 is the reservation's budget check): epoch 3's reference (1) onwards
-    assert [e["epoch"] for e in state["window"]["entries"]] == [1, 2, 3]
-    fresh = GrowUntilSaturated(schedule="periodic", every_n_epochs=1, window=2)
-    fresh.load_state_dict(state)
-    assert fresh._window.entries == grow._window.entries
-    assert fresh.growth_epochs == grow.growth_epochs == 5
+def test_the_decision_ends_growth_and_the_final_anneal_follows_at_once(tmp_path):
+    grow, model, trainer, lr = periodic_fit(tmp_path, max_epochs=12, **NEVER)
+    assert [h["action"] for h in grow.history] == ["saturated"]  # the first check (epoch 0) ends growth
+    assert model.network.depth() == 3 and grow.growth_epochs == 1 and not model.network.growth_log
+    assert trainer.current_epoch == 4 and grow.final_epochs == 3  # stopped after the anneal, not at max_epochs
 
 
 def _converged_fit(tmp_path, grow, max_epochs=6) -> LrLog:
@@ -223,25 +111,6 @@ def test_the_converged_schedule_also_reserves_the_final_anneal(tmp_path):
     assert lr.lrs[4:] == pytest.approx([0.1 * 0.5 * (1 + math.cos(math.pi * (k + 1) / 3)) for k in range(2)])
 
 
-def test_the_window_rule_is_scale_free_a_loss_times_ten_decides_alike():
-    """The loss × 10 control: the same per-sample losses in other units give the same verdict and
-    the same fractions (both sides of every comparison scale with the loss); a rule on absolute
-    differences (min_gain as nats) would not."""
-    g = torch.Generator().manual_seed(5)
-    sig = torch.arange(300, dtype=torch.float64)
-    before, after = _skewed_window(300, 0.012, g)
-    out = []
-    for scale in (1.0, 10.0):
-        rule = WindowRule(window=2, min_gain=0.01, seed=4)
-        rule.decide(scale * before, sig, epoch=0, level=0.05, check=0)
-        out.append(rule.decide(scale * after, sig, epoch=2, level=0.05, check=1))
-    (v1, r1), (v10, r10) = out
-    assert v1.saturated == v10.saturated
-    for key in ("gain_frac", "lower_frac", "upper_frac"):
-        assert r1[key] == pytest.approx(r10[key], rel=1e-9, abs=1e-12)
-    assert r10["loss_now"] == pytest.approx(10 * r1["loss_now"])
-
-
 def test_the_summary_says_how_the_epochs_split_and_whether_the_network_was_cut():
     from growtrain.callbacks.guidance import phase_line
 
@@ -262,8 +131,7 @@ def test_a_periodic_fits_summary_prints_the_split(tmp_path, monkeypatch):
     printed = []  # without a rich bar the summary goes through rank_zero_info: read it there
     monkeypatch.setattr(telemetry, "rank_zero_info", printed.append)
     L.seed_everything(0)
-    grow = GrowUntilSaturated(schedule="periodic", every_n_epochs=1, window=1, min_gain=10.0, anneal_epochs=2,
-                              on_saturated="anneal")  # fmt: skip
+    grow = GrowUntilSaturated(schedule="periodic", every_n_epochs=1, anneal_epochs=2, on_saturated="anneal", **NEVER)
     trainer = L.Trainer(max_epochs=8, callbacks=[grow], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
                         default_root_dir=tmp_path)  # fmt: skip
@@ -271,7 +139,7 @@ def test_a_periodic_fits_summary_prints_the_split(tmp_path, monkeypatch):
                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1))  # fmt: skip
     trainer.fit(model, tiny_dm())
     out = " ".join(" ".join(map(str, printed)).split())
-    assert "epochs: 2 growing (periodic schedule), 2 in the final anneal (complete)" in out
+    assert "epochs: 1 growing (periodic schedule), 2 in the final anneal (complete)" in out
 
 
 def test_a_check_leaves_a_train_loaders_own_generator_where_it_was(monkeypatch):
@@ -307,28 +175,7 @@ def test_a_stage_anneal_is_not_counted_as_the_final_phase():
     assert grow.final_epochs == 2
 
 
-def test_the_stopping_figure_draws_each_windows_certified_gain_against_min_gain():
-    """plot_stopping's right panel for decision='window': every full window's lower bound (as a
-    fraction of the loss) at the blocks of its check, per seed, and the min_gain line."""
-    from growtrain.plots import plot_stopping
-
-    def check(depth, lower):
-        window = None if lower is None else {"lower_frac": lower, "min_gain": 0.01}
-        return {"depth_before": depth, "verdicts": {"window": window or {"reason": "window not full"}}}
-
-    rows = [{"seed": 0, "depth": 5, "test_loss": 0.3, "stopped": True,
-             "history": [check(3, None), check(4, 0.2), check(5, 0.004)]},
-            {"seed": 1, "depth": 4, "test_loss": 0.31, "stopped": True, "history": [check(3, 0.1), check(4, -0.01)]}]
-    fig = plot_stopping({"by_depth": {}}, rows)
-    right = fig.axes[1]
-    lines = {line.get_label(): line for line in right.get_lines()}
-    assert list(lines["seed 0"].get_xdata()) == [4, 5] and list(lines["seed 0"].get_ydata()) == [0.2, 0.004]
-    assert list(lines["seed 1"].get_ydata()) == [0.1, -0.01]
-    assert list(lines["min_gain = 0.01"].get_ydata()) == [0.01, 0.01]
-    assert "window" in right.get_ylabel()
-
-
-# -- a check interval and window counted in optimizer steps (min_steps_between_checks) --------------
+# -- a check interval counted in optimizer steps (min_steps_between_checks) -----------------------------
 def test_should_check_counts_optimizer_steps_when_asked():
     from growtrain.schedule_rules import should_check
 
@@ -341,26 +188,9 @@ def test_should_check_counts_optimizer_steps_when_asked():
     assert should_check(**(kw | {"epochs_since_check": 5}), steps_since_check=11)[0] is False
 
 
-def test_the_window_in_steps_pairs_the_check_that_many_optimizer_steps_back():
-    rule = WindowRule(window=24, min_gain=0.01, unit="step")
-    sig = torch.arange(6, dtype=torch.float64)
-    # (epoch, step): the epochs are 2 apart but the steps are not evenly spaced
-    checks = [(1, 16), (3, 20), (5, 44)]
-    for k, (epoch, step) in enumerate(checks):
-        _, record = rule.decide(torch.full((6,), 2.0 - 0.3 * k).double(), sig, epoch=epoch, level=0.05, check=k,
-                                step=step)  # fmt: skip
-    # 44 − 24 = 20: the check at step 20 (epoch 3) is the reference, not epoch 1 (counted in epochs, 5 − 4 ≥ 1)
-    assert (record["reference_step"], record["reference_epoch"], record["unit"]) == (20, 3, "step")
-    assert record["gain_frac"] == pytest.approx((1.7 - 1.4) / 1.7)
-    assert "from step 20 to 44" in record["reason"]
-    with pytest.raises(ValueError, match="optimizer steps"):
-        rule.decide(torch.ones(6).double(), sig, epoch=7, level=0.05, check=3)
-
-
 @pytest.mark.parametrize("kw, arg", [
     ({"schedule": "periodic", "every_n_epochs": 2, "min_steps_between_checks": 100}, "min_steps_between_checks"),
-    ({"schedule": "periodic", "min_steps_between_checks": 100, "window": 6}, "window"),  # 6 steps < 100
-    ({"schedule": "periodic", "min_steps_between_checks": 0, "window": 6}, "min_steps_between_checks"),
+    ({"schedule": "periodic", "min_steps_between_checks": 0}, "min_steps_between_checks"),
 ])  # fmt: skip
 def test_bad_step_options_are_refused_naming_the_argument(kw, arg):
     with pytest.raises(ValueError, match=rf"^{arg}: expected .*Fix: "):
@@ -379,8 +209,8 @@ def test_the_former_name_every_n_train_steps_is_pythons_plain_type_error():
         GrowUntilSaturated(every_n_train_steps=4)
     assert str(info.value) == "GrowUntilSaturated.__init__() got an unexpected keyword argument 'every_n_train_steps'"
     assert "every_n_train_steps" not in GrowthConfig.names()  # nor a dataclass field a config could set
-    grow = GrowUntilSaturated(schedule="periodic", min_steps_between_checks=4, window=12, verbose=False)
-    assert (grow.min_steps_between_checks, grow._window.unit, grow._schedule.min_steps_between_checks) == (4, "step", 4)
+    grow = GrowUntilSaturated(schedule="periodic", min_steps_between_checks=4, verbose=False)
+    assert (grow.min_steps_between_checks, grow._schedule.min_steps_between_checks) == (4, 4)
 
 
 def test_the_schedule_keeps_its_step_count_across_a_checkpoint():
@@ -418,10 +248,10 @@ def _steps_per_epoch(trainer) -> int:
 
 
 @pytest.mark.parametrize("size", [416, 288])  # 256 and 128 training images: 8 and 4 steps an epoch
-def test_a_step_counted_fit_checks_at_the_same_pace_per_step_on_less_data(tmp_path, always_pays, size):
+def test_a_step_counted_fit_checks_at_the_same_pace_per_step_on_less_data(tmp_path, size):
     L.seed_everything(0)
-    grow = GrowUntilSaturated(schedule="periodic", min_steps_between_checks=12, window=24, min_gain=0.01,
-                              anneal_epochs=2, on_saturated="anneal", verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(schedule="periodic", min_steps_between_checks=12, anneal_epochs=2, on_saturated="anneal",
+                              verbose=False, **ALWAYS)  # fmt: skip
     trainer = L.Trainer(max_epochs=10, callbacks=[grow], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
                         default_root_dir=tmp_path)  # fmt: skip
@@ -441,10 +271,6 @@ def test_a_step_counted_fit_checks_at_the_same_pace_per_step_on_less_data(tmp_pa
             expected.append((epoch, step))
             last = step
     assert [(h["epoch"], h["step"]) for h in grow.history] == expected
-    windows = [h["window"] for h in grow.history if "window" in h]
-    for w in windows:  # the reference is the latest check at least 24 steps back, found by hand
-        earlier = [s for e, s in expected if s <= w["step"] - 24]
-        assert w["reference_step"] == (earlier[-1] if earlier else None) and w["unit"] == "step"
 
 
 # -- the final anneal reserved inside max_steps too -------------------------------------------------
@@ -465,10 +291,10 @@ def test_the_final_anneal_is_reserved_inside_max_steps_as_whole_epochs():
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_a_fit_bounded_by_max_steps_ends_growth_in_time_to_anneal(tmp_path, always_pays, accumulate):
+def test_a_fit_bounded_by_max_steps_ends_growth_in_time_to_anneal(tmp_path, accumulate):
     L.seed_everything(0)
-    grow = GrowUntilSaturated(schedule="periodic", every_n_epochs=1, window=2, min_gain=0.01, anneal_epochs=3,
-                              on_saturated="anneal", verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(schedule="periodic", every_n_epochs=1, anneal_epochs=3, on_saturated="anneal",
+                              verbose=False, **ALWAYS)  # fmt: skip
     lr = LrLog()
     per_epoch = 8 // accumulate  # 256 training images, batches of 32: 8 batches an epoch
     max_steps = 9 * per_epoch + per_epoch // 2  # 9.5 epochs of optimizer steps
@@ -497,7 +323,7 @@ def test_a_step_count_left_from_an_earlier_fit_counts_from_the_new_start(tmp_pat
     """A callback reused in a second fit: the trainer's step count starts again at 0, so the last
     check's step (500, from the first fit) must not push the next check 500 steps away."""
     L.seed_everything(0)
-    grow = GrowUntilSaturated(schedule="periodic", min_steps_between_checks=12, window=24, min_gain=0.01, verbose=False)
+    grow = GrowUntilSaturated(schedule="periodic", min_steps_between_checks=12, verbose=False, **ALWAYS)
     grow._schedule.last_check_step = 500
     trainer = L.Trainer(max_epochs=3, callbacks=[grow], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,

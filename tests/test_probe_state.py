@@ -97,16 +97,16 @@ def data(n: int, seed: int):
 
 # calibration of candidate BatchNorms is always on (the option was removed); the relative rule is
 # no callback option any more. Each decision runs its own code inside a check: the trial trains a
-# block with the rest of the network frozen and in eval mode, the window scores the probe's losses.
+# block with the rest of the network frozen and in eval mode, the stage fork opens its arm.
 @pytest.mark.parametrize(
     "rule, options",
     [
         ("paper", {"decision": "rule", "t": 1e-9, "min_gain": None}),
         ("crossfit", {"decision": "rule", "min_gain": None}),
         ("crossfit", {"decision": "trial", "min_gain": 0.01}),
-        ("crossfit", {"schedule": "periodic", "decision": "window", "window": 1, "min_gain": 0.01}),
+        ("crossfit", {"schedule": "periodic", "decision": "stage_fork", "min_gain": 0.01}),
     ],
-    ids=["paper-rule", "crossfit-rule", "trial", "window"],
+    ids=["paper-rule", "crossfit-rule", "trial", "stage_fork"],
 )
 def test_a_check_restores_modes_flags_and_grad_state(tmp_path, rule, options):
     torch.manual_seed(0)
@@ -125,8 +125,9 @@ def test_a_check_restores_modes_flags_and_grad_state(tmp_path, rule, options):
 
     checks = len(grower.history)
     assert checks >= 1 and grower.decision == options["decision"]
-    if options["decision"] in ("trial", "window"):  # the decision's own step ran inside the check
-        assert options["decision"] in grower.history[0]
+    key = {"trial": "trial", "stage_fork": "fork"}.get(options["decision"])
+    if key is not None:  # the decision's own step ran inside the check
+        assert key in grower.history[0]
     if options["decision"] == "trial":
         assert grower.history[0]["trial"]["trials"], grower.history[0]["trial"]
     if rule == "paper":

@@ -76,7 +76,7 @@ def _run(root: Path, mode: str, *, crash: int | None = None, ckpt: str | None = 
                              lr_scheduler=scheduler)  # fmt: skip
     # t tiny: every check grows; checks at the ends of epochs 1 and 3
     # steps: the rule decides
-    every = ({"min_steps_between_checks": 8, "schedule": "periodic", "window": 8, "min_gain": None,
+    every = ({"min_steps_between_checks": 8, "schedule": "periodic", "decision": "rule", "min_gain": None,
               "lr_schedule": "continue"} if mode == "steps" else {"every_n_epochs": 2, "lr_schedule": mode})
     grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e-9, max_growths=2, verbose=False, **every)
     callbacks = [grow, ModelCheckpoint(dirpath=root, save_last=True, every_n_epochs=1)]

@@ -36,12 +36,12 @@ SHRINK = [
 
 # What a check decided and every figure it decided on (growth_history.json's fields)
 DECISION = ("check", "epoch", "step", "action", "site", "sites", "depth", "saturated", "gamma", "threshold", "lower",
-            "margin", "reason", "trial", "window", "fork", "verdicts", "site_scores")  # fmt: skip
+            "margin", "reason", "trial", "fork", "verdicts", "site_scores")  # fmt: skip
 
 # The periodic schedule on the same cut-down quickstart: a check every 2 epochs at the constant rate,
-# the window rule over 4 epochs (its kept probe losses travel in the checkpoint), one final anneal
+# the first-order rule deciding (the stage fork's resume has its own test below), one final anneal
 PERIODIC = ["--trainer.callbacks.schedule=periodic", "--trainer.callbacks.every_n_epochs=2",
-            "--trainer.callbacks.window=4", "--trainer.callbacks.decision=window",
+            "--trainer.callbacks.decision=rule", "--trainer.callbacks.min_gain=null",
             "--trainer.callbacks.lr_schedule=continue"]  # fmt: skip
 
 
@@ -78,11 +78,11 @@ def _metrics_epochs(path: Path) -> list[int]:
 def test_a_stopped_and_resumed_quickstart_makes_the_uninterrupted_checks(tmp_path, schedule):
     whole = GrowtrainCLI(args=_args(tmp_path / "whole", *schedule))
     expected = _decisions(_grower(whole.trainer).history)
-    # right after the first growth (the checkpoint holds the grown network; a periodic window waits before it)
+    # right after the first growth (the checkpoint holds the grown network)
     stop = next(r["epoch"] for r in expected if r["action"] == "grow")
     later = [r for r in expected if r["epoch"] > stop]
     # the cut-down fit must still judge something after the resume point, or the comparison is empty
-    assert any(r["action"] not in ("budget", "wait") for r in later), expected
+    assert any(r["action"] != "budget" for r in later), expected
 
     # the same fit, stopped at the end of epoch `stop` (built as the CLI builds it; run=False to add the stop)
     stopped = GrowtrainCLI(args=_args(tmp_path / "resumed", *schedule)[1:], run=False)  # run=False: no subcommand
@@ -111,9 +111,9 @@ def test_a_stopped_and_resumed_quickstart_makes_the_uninterrupted_checks(tmp_pat
     assert (run / "growth_history.json").read_text() == (whole_run / "growth_history.json").read_text()
 
 
-# decision="fork": the arm opened at a check trains on every batch until the next; the fit is cut in the middle
+# decision="stage_fork": the arm opened at a check trains on every batch until the next; the fit is cut in the middle
 FORK = ["--trainer.callbacks.schedule=periodic", "--trainer.callbacks.every_n_epochs=2",
-        "--trainer.callbacks.decision=fork", "--trainer.callbacks.lr_schedule=continue"]  # fmt: skip
+        "--trainer.callbacks.decision=stage_fork", "--trainer.callbacks.lr_schedule=continue"]  # fmt: skip
 
 
 def test_a_fit_cut_while_a_fork_is_open_resumes_into_the_same_fork_and_decisions(tmp_path):

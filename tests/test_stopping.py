@@ -91,8 +91,8 @@ def test_an_option_added_later_keys_a_results_folder_only_when_set():
     from growtrain.callbacks.growth_config import GrowthConfig
     from growtrain.experiments.stopping import file_options
 
-    epochs = file_options(GrowthConfig(schedule="periodic", every_n_epochs=2, window=6))
-    steps = file_options(GrowthConfig(schedule="periodic", min_steps_between_checks=890, window=2670))
+    epochs = file_options(GrowthConfig(schedule="periodic", every_n_epochs=2))
+    steps = file_options(GrowthConfig(schedule="periodic", min_steps_between_checks=890))
     assert "min_steps_between_checks" not in epochs and steps["min_steps_between_checks"] == 890
     assert set(steps) - set(epochs) == {"min_steps_between_checks"}
     assert not {"probe", "network", "loss_fn", "verbose"} & set(epochs)
@@ -209,7 +209,7 @@ def TenTimesTheLoss(**kwargs):
     return ScaledLossClassifier(loss_scale=10.0, **kwargs)
 
 
-@pytest.mark.parametrize("rule", ["crossfit", "trial", "window"])
+@pytest.mark.parametrize("rule", ["crossfit", "trial", "stage_fork"])
 def test_a_whole_run_with_the_loss_times_ten_makes_the_same_decisions(tmp_path, rule):
     """Run-level control: loss × 10 with lr ÷ 10 and weight decay × 10 is the same SGD trajectory,
     so a scale-free decision must grow at the same epochs and sites with the same ratios. The
@@ -220,8 +220,8 @@ def test_a_whole_run_with_the_loss_times_ten_makes_the_same_decisions(tmp_path, 
         L.seed_everything(0)
         if rule == "trial":  # the default: block-only trials (Adam: the same steps on a loss × 10)
             how = {"rule": "crossfit", "min_gain": 0.01, "decision": "trial", "lr_schedule": "anneal"}
-        elif rule == "window":  # the periodic schedule: the run's own probe gain over the last 2 epochs
-            how = {"rule": "crossfit", "min_gain": 0.01, "schedule": "periodic", "window": 2}
+        elif rule == "stage_fork":  # the periodic schedule: the arm against the run, both cooled, on the probe
+            how = {"rule": "crossfit", "min_gain": 0.01, "schedule": "periodic", "decision": "stage_fork"}
         else:  # the first-order rule alone
             how = {"rule": rule, "min_gain": None, "lr_schedule": "anneal"}
         grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, **how, delta=delta, max_growths=2, anneal_epochs=1,
@@ -251,13 +251,13 @@ def test_a_whole_run_with_the_loss_times_ten_makes_the_same_decisions(tmp_path, 
         # and the same kind of reason: a loss × 10 is not "at chance level" where the plain loss is not
         reasons = [[("chance" in h["reason"]), h["reason"].split(":")[0]] for h in plain_history]
         assert reasons == [[("chance" in h["reason"]), h["reason"].split(":")[0]] for h in scaled_history]
-    if rule == "window":  # a full window was judged, on the same fractions of the loss
-        keys = ("reference_epoch", "saturated", "gain_frac", "lower_frac", "upper_frac")
-        windows = [[h["window"].get(k) for k in keys] for h in plain_history if "window" in h]
-        scaled_windows = [[h["window"].get(k) for k in keys] for h in scaled_history if "window" in h]
-        assert any(w[0] is not None for w in windows), windows
+    if rule == "stage_fork":  # a fork was judged, on the same fractions of the loss
+        keys = ("saturated", "gain_frac", "lower_frac", "upper_frac")
+        forks = [[h["fork"].get(k) for k in keys] for h in plain_history if "gain_frac" in h.get("fork", {})]
+        scaled_forks = [[h["fork"].get(k) for k in keys] for h in scaled_history if "gain_frac" in h.get("fork", {})]
+        assert forks, plain_history
         assert [[v if v is None or isinstance(v, bool) else pytest.approx(v, rel=1e-3, abs=1e-5) for v in w]
-                for w in windows] == scaled_windows  # fmt: skip
+                for w in forks] == scaled_forks  # fmt: skip
 
 
 def test_the_loss_scale_control_scales_every_loss_it_logs_and_refuses_a_bad_scale():

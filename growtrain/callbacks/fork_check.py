@@ -1,7 +1,7 @@
-"""``PairedFork``: the paired-fork decision of ``GrowUntilSaturated`` (``decision="fork"``).
+"""``PairedFork``: the paired-fork decision of ``GrowUntilSaturated`` (``decision="stage_fork"``).
 
-A collaborator with its own state. At a check with no fork open it opens one at the best
-first-order site (growtrain.fork says what a fork is); on every training batch after that the
+A collaborator with its own state. At a check with no fork open it opens one with one more block at
+the best first-order site of every stage (growtrain.fork says what a fork is); on every training batch after that the
 arm takes one optimizer step on the batch the run just trained on, as the training step received
 it (after the batch hooks and the transfer), under the trainer's precision context, at the run's
 rate at that step, with the trainer's gradient clipping. Over the horizon's last eighth a copy of
@@ -10,9 +10,8 @@ same batches with their rates annealed to zero (a cosine), while the run and the
 run's rate. At the next check the two cooled copies are scored on the probe and the verdict is
 ``growtrain.fork.fork_verdict``'s: grow (the run grows the same block and takes the arm's weights
 and optimizer state, not the cooled copy's, so the compute the arm spent is kept and the run stays
-at its own rate), or the block did not pay: the arm is dropped (the run is the control, trained as
-it would have been) and a fork opens at the best site of a stage not tried since the last growth;
-when every stage has had its fork, growth ends.
+at its own rate), or the blocks did not pay: the arm is dropped (the run is the control, trained as
+it would have been) and growth ends.
 
 Why cooled: at the run's constant rate SGD wanders around its basin, and the probe loss with it.
 On full Fashion-MNIST (experiments/fork_anneal.py) three arms differing only in the block's seed
@@ -48,7 +47,6 @@ from growtrain.callbacks.probe_data import ProbeView, probe_sample_losses
 from growtrain.callbacks.trial_check import trial_candidates
 from growtrain.fork import adopt, copy_optimizer, fork_test, fork_verdict, make_arm, mirror_lrs, warmup
 from growtrain.reconfigure import add_param_groups, new_param_groups
-from growtrain.saturation_report import best_scored_site
 
 __all__ = ["PairedFork", "swapped", "cosine", "COOL_FRACTION", "WARMUP_FRACTION"]
 
@@ -56,19 +54,6 @@ __all__ = ["PairedFork", "swapped", "cosine", "COOL_FRACTION", "WARMUP_FRACTION"
 WARMUP_FRACTION = 0.5
 # The horizon's last fraction over which both sides' cooled copies anneal to zero before they are scored.
 COOL_FRACTION = 0.125
-
-
-def next_site(report: Any, failed: list[str]) -> str | None:
-    """The best first-order site of the best stage none of whose sites is in ``failed`` (forks that
-    did not pay since the last growth), or ``None`` when every stage has had one: then growth ends.
-    A fork judges one block at one site; a block that does not pay early at the input side (on full
-    Fashion-MNIST the first-order choice, layer1.0, lost 1.6 % over 2 epochs where layer2.1 gained
-    6.6 % over 4) says nothing about another stage."""
-    tried = {name.rpartition(".")[0] or name for name in failed}
-    for site in trial_candidates(report, limit=len(report.sites)):
-        if (site.rpartition(".")[0] or site) not in tried:
-            return site
-    return None
 
 
 def cosine(step: int, steps: int) -> float:
@@ -115,9 +100,8 @@ class PairedFork:
 
     key = "fork"  # the check record's entry (history[i]["fork"])
 
-    def __init__(self, *, min_gain: float, seed: int = 0, horizon: str = "the interval", per_stage: bool = False):
+    def __init__(self, *, min_gain: float, seed: int = 0, horizon: str = "the interval"):
         self.min_gain, self.seed, self.horizon = float(min_gain), int(seed), horizon
-        self.per_stage = bool(per_stage)  # decision="stage_fork": the arm has one more block in every stage
         self.forks = 0  # forks opened so far: seeds each arm's block and bootstrap
         self.failed: list[str] = []  # sites whose fork did not pay since the last growth
         self.uppers: list[float] = []  # their upper bounds (fractions of the loss)
@@ -185,12 +169,9 @@ class PairedFork:
         self._optimizer = optimizer
         return refs
 
-    def first_sites(self, report: Any) -> str | list[str] | None:
-        """Where a fork opens after a growth or at the first check: the best first-order site, or
-        (``per_stage``) the best site of every stage."""
-        if self.per_stage:
-            return trial_candidates(report, limit=len(report.sites)) or None
-        return best_scored_site(report)
+    def first_sites(self, report: Any) -> list[str] | None:
+        """Where a fork opens after a growth or at the first check: the best first-order site of every stage."""
+        return trial_candidates(report, limit=len(report.sites)) or None
 
     def open(self, pl_module: Any, network: nn.Module, optimizer: Any, site: str | list[str], *, epoch: int,
              step: int) -> None:  # fmt: skip
@@ -348,17 +329,9 @@ class PairedFork:
         verdict = fork_verdict(test, site=self.site, min_gain=self.min_gain, horizon=self.horizon, scored=scored)
         if trainer.world_size > 1:  # one decision on every rank: rank 0's
             verdict, test = trainer.strategy.broadcast((verdict, test), src=0)
-        retry = None
-        if verdict.saturated:  # the block at this site did not pay; another stage's best site may
-            self.failed.append(self.site)
-            self.uppers.append(float(test["upper_frac"]))
-            retry = None if self.per_stage else next_site(inputs.report, self.failed)  # a stage fork tried every stage
-            if retry is None:  # growth ends: certified only if every stage's fork bounded its block below min_gain
-                verdict = replace(verdict, certified=all(u < self.min_gain for u in self.uppers))
-            else:
-                verdict = replace(verdict, saturated=False, certified=False, site=None,
-                                  reason=f"{verdict.reason}; a fork at {retry} (the best site of a stage not tried since "
-                                         "the last growth) decides next")  # fmt: skip
+        if verdict.saturated:  # the blocks did not pay: growth ends, certified only if the upper bound is below min_gain
+            self.failed, self.uppers = [self.site], [float(test["upper_frac"])]
+            verdict = replace(verdict, certified=all(u < self.min_gain for u in self.uppers))
         else:
             self.failed, self.uppers = [], []
         self.seconds += time.perf_counter() - start
@@ -367,9 +340,7 @@ class PairedFork:
                  "certified": verdict.certified, "lower_frac": verdict.score, "min_gain": self.min_gain,
                  "reason": verdict.reason, **{k: test[k] for k in ("gain_frac", "lower_frac", "upper_frac",
                                                                    "loss_before", "loss_now", "n", "level", "se")}}  # fmt: skip
-        if retry is not None:
-            entry["open_new"] = retry
-        return verdict, list(self.sites) if not (verdict.saturated or retry) else [], entry
+        return verdict, list(self.sites) if not verdict.saturated else [], entry
 
     def adopt(self, network: nn.Module, optimizer: Any) -> int:
         """The run (already grown at the fork's site) takes the arm's weights and optimizer state

@@ -5,8 +5,8 @@ Three parts, each with one interface (docs/design.md draws one check's data flow
     schedule  — when a check comes: a converged stage (StageMonitor's plateau, LrAnneal's stage
                 anneal) or every K epochs (periodic); the final anneal reserved (schedule.py,
                 schedule_rules.should_check)
-    decision  — what a check measured → a Verdict: BlockTrials (trial), WindowRule (window), PairedFork
-                (fork: its arm also trains on every batch between checks), or the first-order rule of
+    decision  — what a check measured → a Verdict: BlockTrials (trial), PairedFork (stage_fork: its
+                arm also trains on every batch between checks), or the first-order rule of
                 measure_saturation (rule)
     editor    — what the verdict does: schedule_rules.decide_growth applies the budgets; grow
                 (function-preserving, verified, rolled back on failure), zero-state optimizer
@@ -43,12 +43,11 @@ from growtrain.callbacks.editor import FunctionChangedError
 from growtrain.callbacks.fork_check import PairedFork
 from growtrain.callbacks.growth_config import GrowthConfig
 from growtrain.callbacks.monitor import StageMonitor
-from growtrain.callbacks.probe_data import Converted, Fingerprinted, check_probe_setup, first_input
+from growtrain.callbacks.probe_data import Converted, check_probe_setup, first_input
 from growtrain.callbacks.rng_state import RandomStateCheckpoint
 from growtrain.callbacks.schedule import CheckSchedule, steps_per_epoch
 from growtrain.callbacks.rule_check import FirstOrderRule
 from growtrain.callbacks.trial_check import BlockTrials
-from growtrain.callbacks.window_check import WindowRule
 from growtrain.growable import probe_loss_for, resolve_network
 from growtrain.plots import outcome
 from growtrain.reconfigure import restart_schedulers
@@ -74,9 +73,9 @@ class GrowUntilSaturated(Callback):
     fresh block alone at the best first-order site of each stage and grows where one lowers the
     probe's loss (samples held out from training by index) by a certified more than ``min_gain``
     of it (``decision="trial"``).
-    ``schedule="periodic"`` checks every ``every_n_epochs`` at the constant rate and grows at the best
-    first-order site until the run's own probe loss has not fallen by a certified ``min_gain`` over
-    the last ``window`` epochs (``decision="window"``), then one final anneal. docs/callback.md has a
+    ``schedule="periodic"`` checks every ``every_n_epochs`` at the constant rate: the run against a copy
+    with one more block in every stage, trained on the same batches until the next check, compared on
+    the probe (``decision="stage_fork"``), then one final anneal. docs/callback.md has a
     row per option with the measurement behind it. Your own LightningModule: keep the growable network
     as a submodule (``cifar_resnet``, ``GrowableStack``; no base class, any optimizer over
     ``self.parameters()``), log ``train_loss`` per epoch, and give a probe (``probe=`` or
@@ -91,10 +90,7 @@ class GrowUntilSaturated(Callback):
             ``every_n_epochs`` at the constant rate, no anneal before a check).
         every_n_epochs: epochs between checks (periodic, or ``monitor=None``); ``None``: 1.
         min_steps_between_checks: instead, a check at the first epoch end at least this many
-            optimizer steps after the last (checks still come only at epoch ends); ``window`` then
-            counts optimizer steps too.
-        window: ``decision="window"``: epochs (or optimizer steps) J over which the probe loss must
-            have fallen by a certified ``min_gain`` for growth to go on.
+            optimizer steps after the last (checks still come only at epoch ends).
         monitor: metric whose plateau ends a converged stage (default ``"train_loss"``, else the
             loss ``training_step`` returns); ``None``: every ``every_n_epochs``.
         mode: ``"min"`` or ``"max"``: the direction in which ``monitor`` improves.
@@ -106,14 +102,11 @@ class GrowUntilSaturated(Callback):
         t: Proposition 1's separation; giving it selects the paper's rule.
         rule: ``"crossfit"`` (default) or ``"paper"`` (Γ̂ > δ + t): decides under ``decision="rule"``,
             ranks the sites otherwise; every check reports every verdict.
-        min_gain: the fraction of the held-out loss a trial block (trial) or the last ``window``
-            epochs (window) must certifiably gain for growth to go on; ``None``: the rule alone.
-            A window check whose window is not full yet waits (action ``"wait"``): nothing grows
-            untested.
-        decision: ``"trial"`` (converged default), ``"window"`` (periodic default), ``"rule"``,
-            ``"fork"`` (periodic): the run against a copy with one more block, trained on the same
-            batches until the next check, compared on the probe (growtrain/fork.py), or
-            ``"stage_fork"``: the same with one more block in every stage (grown together).
+        min_gain: the fraction of the held-out loss a trial block (trial) or the fork's arm (stage_fork)
+            must certifiably gain for growth to go on; ``None``: the rule alone.
+        decision: ``"trial"`` (the default), ``"rule"``, or ``"stage_fork"`` (the periodic default):
+            the run against a copy with one more block in every stage, trained on the same batches
+            until the next check, compared on the probe (growtrain/fork.py), grown together.
         trial_epochs: epochs of the training loader a trial block trains for (Adam, ≥ 100 steps).
         max_growths, max_params: budgets; reaching one ends growth (reason "budget").
         on_saturated: when growth ends: ``"stop"``, ``"continue"`` at that depth, or ``"anneal"``
@@ -132,7 +125,7 @@ class GrowUntilSaturated(Callback):
     Attributes:
         history: one plain dict per check (``epoch``, ``step``, ``site``, ``gamma``, ``threshold``,
             ``saturated`` (true only where ``certified``), ``certified``, ``params``, ``depth``,
-            ``reason``, ``verdicts``, ``trial`` / ``window``, ``action``, ...).
+            ``reason``, ``verdicts``, ``trial`` / ``fork``, ``action``, ...).
     """
 
     def __init__(
@@ -143,7 +136,6 @@ class GrowUntilSaturated(Callback):
         schedule: Literal["converged", "periodic"] = "converged",
         every_n_epochs: int | None = None,
         min_steps_between_checks: int | None = None,
-        window: int = 6,
         monitor: str | None = "train_loss",
         mode: Literal["min", "max"] = "min",
         patience: int = 3,
@@ -154,7 +146,7 @@ class GrowUntilSaturated(Callback):
         t: float | None = None,
         rule: Literal["paper", "crossfit"] | None = None,
         min_gain: float | None = dec.DEFAULT_MIN_GAIN,
-        decision: Literal["trial", "window", "rule", "fork", "stage_fork"] | None = None,
+        decision: Literal["trial", "rule", "stage_fork"] | None = None,
         trial_epochs: float = DEFAULT_TRIAL_EPOCHS,
         max_growths: int | None = None,
         max_params: int | None = None,
@@ -184,22 +176,15 @@ class GrowUntilSaturated(Callback):
         self._decider = {
             "trial": lambda: BlockTrials(epochs=self.trial_epochs, lr=DEFAULT_TRIAL_LR, sites=TRIAL_SITES,
                                          min_gain=self.min_gain, seed=self.seed),
-            "window": lambda: WindowRule(window=self.window, min_gain=self.min_gain, seed=self.seed,
-                                         unit="epoch" if self.min_steps_between_checks is None else "step"),
             "rule": FirstOrderRule,
-            **{name: (lambda per_stage=(name == "stage_fork"): PairedFork(
-                min_gain=self.min_gain, seed=self.seed, per_stage=per_stage, horizon=(
-                    f"{self.every_n_epochs} epoch(s)" if self.min_steps_between_checks is None
-                    else f"{self.min_steps_between_checks}+ optimizer step(s)")))
-               for name in ("fork", "stage_fork")},
+            "stage_fork": lambda: PairedFork(min_gain=self.min_gain, seed=self.seed, horizon=(
+                f"{self.every_n_epochs} epoch(s)" if self.min_steps_between_checks is None
+                else f"{self.min_steps_between_checks}+ optimizer step(s)")),
         }[self.decision]()  # fmt: skip
         self._trials = self._decider if isinstance(self._decider, BlockTrials) else None
-        self._window = self._decider if isinstance(self._decider, WindowRule) else None
         self._fork = self._decider if isinstance(self._decider, PairedFork) else None
         self._reset_state()
         self.probe_seconds = 0.0  # wall time inside measure_saturation, this process (earlier ones: _before)
-        self._pass_losses: list | None = None  # per-sample probe losses from the last pass (window)
-        self._pass_probe: Fingerprinted | None = None  # the last pass's probe, with its sample fingerprints
         self._fit_start = 0.0
         self._rng_state: RandomStateCheckpoint | None = None  # set per fit in setup
         self._saved_groups: list[list[Any]] | None = None  # a resumed checkpoint's optimizer group names
@@ -233,7 +218,7 @@ class GrowUntilSaturated(Callback):
 
     @property
     def check_seconds(self) -> float:
-        """Wall time of the checks (probe passes, trials, arms, window passes) over the whole fit, resumes included."""
+        """Wall time of the checks (probe passes, trials, arms) over the whole fit, resumes included."""
         return self._before["checks"] + self.probe_seconds + self._decider.seconds
 
     @property
@@ -282,13 +267,13 @@ class GrowUntilSaturated(Callback):
         own = any(isinstance(cb, RandomStateCheckpoint) for cb in callbacks)
         self._rng_state = RandomStateCheckpoint() if first is self and not own else None
         if self._fork is not None and sharded.is_model_parallel(trainer.strategy):
-            raise RuntimeError("strategy: decision='fork' trains a full copy of the network beside the run, which is "
-                               "not sharded under FSDP2 (ModelParallelStrategy). Fix: use strategy='ddp' or one device, "
-                               "or decision='window' under FSDP2.")  # fmt: skip
+            raise RuntimeError("strategy: decision='stage_fork' trains a full copy of the network beside the run, which "
+                               "is not sharded under FSDP2 (ModelParallelStrategy). Fix: use strategy='ddp' or one "
+                               "device, or decision='trial' under FSDP2.")  # fmt: skip
         if self._fork is not None and getattr(trainer.precision_plugin, "scaler", None) is not None:
-            raise RuntimeError(f"precision: decision='fork' does not scale the arm's loss, so under "
+            raise RuntimeError(f"precision: decision='stage_fork' does not scale the arm's loss, so under "
                                f"precision={trainer.precision!r} (a loss-scaled float16) its gradients could underflow. "
-                               "Fix: pass precision='bf16-mixed' or '32-true', or decision='window'.")  # fmt: skip
+                               "Fix: pass precision='bf16-mixed' or '32-true', or decision='trial'.")  # fmt: skip
         self._network = self._resolve_network(pl_module, required=not self._builds_late(pl_module))
         if sharded.is_model_parallel(trainer.strategy):  # resume: grow to the checkpoint's depth before the shards load
             sharded.install_resume(trainer, lambda: self._network or self._resolve_network(pl_module, required=True))
@@ -335,12 +320,6 @@ class GrowUntilSaturated(Callback):
             self._resolve_lr_schedule(trainer)
         if self.lr_schedule == "anneal" and (self.finished is None or self._anneal.active):
             refuse_scheduler(trainer, editor.optimizer_for(trainer, self._network))
-        if self._window is not None and self._window.unit == "epoch" and trainer.current_epoch == 0:
-            never = schedule_rules.window_never_judged(
-                max_epochs=trainer.max_epochs, every_n_epochs=self.every_n_epochs, window=self.window,
-                anneal_epochs=self.anneal_epochs, on_saturated=self.on_saturated)  # fmt: skip
-            if never is not None:
-                rank_zero_warn(f"GrowUntilSaturated: {never}", category=UserWarning)
         why = self._schedule.no_room(trainer, self.finished)
         if why is not None:  # a fit too short to grow says so
             rank_zero_warn(f"GrowUntilSaturated: {why}", category=UserWarning)
@@ -514,15 +493,12 @@ class GrowUntilSaturated(Callback):
             record["level"] = self.alpha
             verdict, ranked, entry = self._decider.judge(probe_check.CheckInputs(
                 trainer, pl_module, network, report, self._probe_loader(trainer, shard=False), self._loss, self.alpha,
-                record["check"], self._pass_losses, self._pass_probe))  # fmt: skip
-            self._pass_losses, self._pass_probe = None, None
+                record["check"]))  # fmt: skip
             if entry is not None:
                 record[self._decider.key] = entry
             if self._fork is not None and entry.get("open_new"):  # no fork was open: open one, decide nothing
                 opened = entry["open_new"] if isinstance(entry["open_new"], str) else self._fork.first_sites(report)
                 action, reason, sites = "fork", f"{verdict.reason} (at {opened})", []
-            elif entry is not None and entry.get("wait"):  # the window is not full: nothing tested, nothing grows
-                action, reason, sites = "wait", verdict.reason, []
             else:
                 action, reason, sites = schedule_rules.decide_growth(
                     saturated=verdict.saturated, ranked=ranked, reason=verdict.reason,
@@ -542,7 +518,7 @@ class GrowUntilSaturated(Callback):
                                                 params=telemetry.count_params(network),
                                                 max_params=self.max_params) is None:
                     opened = self._fork.first_sites(self._measure(trainer, pl_module, network))
-        elif action not in ("fork", "wait"):
+        elif action != "fork":
             if self._fork is not None:
                 self._fork.close()
             self._finish(trainer, action, reason, annealed, certified)
@@ -575,10 +551,9 @@ class GrowUntilSaturated(Callback):
             rank_zero_info(f"GrowUntilSaturated: stopping training at epoch {trainer.current_epoch}: {reason}")
 
     def _measure(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module) -> SaturationReport:
-        report, self._pass_losses, self._pass_probe, seconds = probe_check.probe_pass(
+        report, seconds = probe_check.probe_pass(
             trainer, pl_module, network, self._probe_loader(trainer), self._loss, delta=self.delta, alpha=self.alpha,
-            t=self.t, rule=self.rule, seed=self.seed * 1000 + self.checks, keep_losses=self.decision == "window",
-        )  # fmt: skip
+            t=self.t, rule=self.rule, seed=self.seed * 1000 + self.checks)  # fmt: skip
         self.probe_seconds += seconds
         self.checks += 1
         return report

@@ -23,11 +23,11 @@ __all__ = ["GrowthConfig", "ON_SATURATED", "MODES", "LR_SCHEDULES", "DECISIONS",
 ON_SATURATED = ("stop", "continue", "anneal")
 MODES = ("min", "max")
 # "trial": every check trains candidate blocks alone and grows iff one certifies min_gain (the default,
-# docs/decision.md); "window" (schedule="periodic"): the growing run's own paired gain over the last
-# `window` epochs (growtrain/window.py); "rule": the first-order rule alone.
-# "fork" (schedule="periodic"): the run against a copy with one more block, trained on the same batches until the
-# next check, compared on the probe (growtrain/fork.py); "stage_fork": the same with one more block in every stage.
-DECISIONS = ("trial", "window", "rule", "fork", "stage_fork")
+# docs/decision.md); "rule": the first-order rule alone; "stage_fork" (schedule="periodic"): the run against
+# a copy with one more block in every stage, trained on the same batches until the next check, compared on
+# the probe (growtrain/fork.py). The window rule and the one-block fork were removed: their depth followed
+# the check interval, not the data (docs/results/history.md).
+DECISIONS = ("trial", "rule", "stage_fork")
 # The first-order rules a check decides or chooses its site by (the relative rule stays a reported verdict of
 # growtrain measure and measure_saturation, not a callback option: docs/results/history.md).
 CALLBACK_RULES = ("paper", "crossfit")
@@ -71,10 +71,9 @@ class GrowthConfig:
     loss_fn: Callable[[Any, Any], Any] | None = None
     schedule: Literal["converged", "periodic"] = "converged"
     every_n_epochs: int | None = None  # None: 1 (given with a monitor: warned about, it has no effect)
-    # instead of every_n_epochs: a check at the first epoch end this many optimizer steps after the last; the
-    # window then counts optimizer steps too (the same pace per step on any amount of data)
+    # instead of every_n_epochs: a check at the first epoch end this many optimizer steps after the last
+    # (the same pace per step on any amount of data)
     min_steps_between_checks: int | None = None
-    window: int = 6  # schedule="periodic": the stop rule's window J, in epochs or steps (the study's J = 3K, K = 2)
     monitor: str | None = "train_loss"
     mode: Literal["min", "max"] = "min"
     patience: int = 3
@@ -85,7 +84,7 @@ class GrowthConfig:
     t: float | None = None
     rule: Literal["paper", "crossfit"] | None = None
     min_gain: float | None = DEFAULT_MIN_GAIN
-    decision: Literal["trial", "window", "rule", "fork", "stage_fork"] | None = None
+    decision: Literal["trial", "rule", "stage_fork"] | None = None
     trial_epochs: float = DEFAULT_TRIAL_EPOCHS
     max_growths: int | None = None
     max_params: int | None = None
@@ -118,7 +117,6 @@ class GrowthConfig:
         if not given_every:
             object.__setattr__(self, "every_n_epochs", 1)
         _int("every_n_epochs", self.every_n_epochs, 1)
-        _int("window", self.window, 1)
         interval, unit = (self.every_n_epochs, "epochs") if steps is None else (steps, "optimizer steps")
         if periodic and self.lr_schedule == "anneal":
             raise _bad("lr_schedule", "'continue' with schedule='periodic' (its checks come at the constant rate; "
@@ -170,11 +168,6 @@ class GrowthConfig:
             raise _bad("verbose", "True or False", self.verbose, "pass verbose=True")
         _int("seed", self.seed, 0)
         self._check_decision()
-        if self.decision == "window" and self.window < interval:  # the fork and the trial do not read it
-            given = "every_n_epochs" if steps is None else "min_steps_between_checks"
-            raise _bad("window", f"at least {given}={interval} (the stop rule compares a check with one at least "
-                       f"`window` {unit} back; with min_steps_between_checks the window counts optimizer steps too)",
-                       self.window, f"pass window={3 * interval} or more (the study's J = 3K)")  # fmt: skip
         for name in ("min_rel_delta", "delta", "alpha"):
             object.__setattr__(self, name, float(getattr(self, name)))
 
@@ -182,19 +175,20 @@ class GrowthConfig:
         decision = self.decision
         periodic = self.schedule == "periodic"
         if decision is None:  # min_gain=None asks for the first-order rule alone
-            decision = "rule" if self.min_gain is None else "window" if periodic else "trial"
+            decision = "rule" if self.min_gain is None else "stage_fork" if periodic else "trial"
         if decision == "gain":
             raise _bad("decision", f"one of {DECISIONS}", decision, "pass decision='trial' (the block's own value "
                        "replaced the stage's realized gain: docs/results/history.md), or schedule='periodic'")  # fmt: skip
+        if decision in ("window", "fork"):
+            raise _bad("decision", f"one of {DECISIONS}", decision, "pass decision='stage_fork' (the paired fork with one "
+                       "more block in every stage) or decision='trial'; the window rule and the one-block fork were "
+                       "removed because the depth they found followed every_n_epochs, not the data "
+                       "(docs/results/history.md)")  # fmt: skip
         _choice("decision", decision, DECISIONS)
-        if decision == "window" and not periodic:
-            raise _bad("decision", "'window' only with schedule='periodic' (it compares checks `window` epochs "
-                       "apart while the run grows at the constant rate)", decision,
-                       "pass schedule='periodic', or decision='trial'")  # fmt: skip
-        if decision in ("fork", "stage_fork") and not periodic:
+        if decision == "stage_fork" and not periodic:
             raise _bad("decision", f"{decision!r} only with schedule='periodic' (a fork opened at one check is judged at the "
                        "next, every_n_epochs later)", decision, "pass schedule='periodic', or decision='trial'")  # fmt: skip
-        if decision in ("trial", "window", "fork", "stage_fork") and self.min_gain is None:
+        if decision in ("trial", "stage_fork") and self.min_gain is None:
             raise _bad("decision", "min_gain set (the gain a block must certify)", f"{decision!r} with min_gain=None",
                        "pass min_gain=0.01, or decision='rule'")  # fmt: skip
         object.__setattr__(self, "decision", decision)

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from growtrain.callbacks import sharded
 from growtrain.callbacks.probe_data import (
-    Converted, Fingerprinted, ProbeView, check_split_indices, datasets_of, probe_overlap, refuse_random_probe,
+    Converted, ProbeView, check_split_indices, datasets_of, probe_overlap, refuse_random_probe,
 )  # fmt: skip
 from growtrain.callbacks.progress import counted, progress_for
 from growtrain.callbacks.rng_state import loader_generators
@@ -33,7 +33,7 @@ __all__ = ["CheckInputs", "probe_loader", "check_probe_source", "check_probe_ind
 class CheckInputs:
     """What one check measured, handed to its decision (``judge``): the trainer and module, the
     network, the first-order report of the probe pass, the whole (unsharded) probe, the loss, the
-    test's level, the check's index, and the pass's own per-sample losses (one process)."""
+    test's level and the check's index."""
 
     trainer: Any
     pl_module: Any
@@ -43,8 +43,6 @@ class CheckInputs:
     loss_fn: Callable
     level: float
     check: int
-    pass_losses: list | None = None
-    pass_probe: Fingerprinted | None = None
 
 
 def probe_loader(source: Any, trainer: Any, shard: bool = True) -> Any:
@@ -124,11 +122,8 @@ def autocast_dtype(trainer: Any) -> torch.dtype | None:
 
 
 def probe_pass(trainer: Any, pl_module: Any, network: nn.Module, loader: Any, loss_fn: Callable, *, delta: float,
-               alpha: float, t: float | None, rule: str, seed: int, keep_losses: bool,
-               ) -> tuple[SaturationReport, list | None, Fingerprinted | None, float]:  # fmt: skip
-    """One pass over every site: the report, the per-sample losses of the pass's own forward and
-    its fingerprinted probe (``keep_losses`` on one process: the window decision pairs them), and
-    the seconds it took."""
+               alpha: float, t: float | None, rule: str, seed: int) -> tuple[SaturationReport, float]:  # fmt: skip
+    """One pass over every site: the report and the seconds it took."""
     sync_fn = None
     if trainer.world_size > 1:
         sync_fn = lambda t: trainer.strategy.reduce(t, reduce_op="sum")  # noqa: E731
@@ -139,16 +134,13 @@ def probe_pass(trainer: Any, pl_module: Any, network: nn.Module, loader: Any, lo
     # The split of the cross-fit rule needs the sample count before the pass: read it from the
     # loader itself, since the precision wrapper below hides its sampler.
     size = probe_size(loader) if rule != "paper" else None
-    # under DDP each rank sees only its shard: the window then scores the whole probe itself
-    losses = [] if keep_losses and trainer.world_size == 1 else None
-    fingerprinted = Fingerprinted(loader) if losses is not None else None
     start = time.perf_counter()
     # the pass over every site shows its batches in the progress bar (nothing without one, or off rank 0)
-    probe = counted(fingerprinted or loader, progress_for(trainer), "growth check: probe pass")
+    probe = counted(loader, progress_for(trainer), "growth check: probe pass")
     report = measure_saturation(
         ProbeView(pl_module, network), Converted(probe, trainer), loss_fn, delta=delta, alpha=alpha, t=t,
         projected=False, rule=rule, seed=seed, calibrate=True, autocast_dtype=autocast_dtype(trainer),
-        sync_fn=sync_fn, probe_size=size, sample_losses=losses,
+        sync_fn=sync_fn, probe_size=size,
         variance=True,  # every check reports the paper's Γ̂ against δ+t
     )  # fmt: skip
-    return report, losses, fingerprinted, time.perf_counter() - start
+    return report, time.perf_counter() - start

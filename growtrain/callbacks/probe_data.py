@@ -307,8 +307,8 @@ def random_order(loader: Any) -> str | None:
 
 
 def refuse_random_probe(loader: Any, name: str) -> None:
-    """A decision that pairs each probe sample's loss (the trial's before and after, the window's
-    checks) needs the same samples in the same order: a shuffling probe is refused at setup (one
+    """A decision that pairs each probe sample's loss (the trial's before and after, the fork's
+    two sides) needs the same samples in the same order: a shuffling probe is refused at setup (one
     that changes otherwise is refused at the check, by its samples' fingerprints)."""
     why = random_order(loader)
     if why is not None:

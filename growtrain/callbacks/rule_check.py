@@ -1,6 +1,6 @@
 """``FirstOrderRule``: ``decision="rule"``, the first-order rule of the probe pass alone.
 
-The same interface as ``BlockTrials`` (trial) and ``WindowRule`` (window): ``judge(inputs)`` →
+The same interface as ``BlockTrials`` (trial) and ``PairedFork`` (stage_fork): ``judge(inputs)`` →
 ``(verdict, sites to grow at, the record's entry or None)``. The report already holds the rule's
 verdict (``growtrain.saturation``): saturated iff no site certifies first-order gain; it grows at
 the best-ranked site. Its stop is never "certified saturation" (a lower bound that did not clear

@@ -184,8 +184,8 @@ class GrowOnSchedule(Callback):
         for names in batches:
             k0 = len(network.growth_log)
             blocks = {name: network.new_block(name, seed=self.seed * 1000 + k0 + i) for i, name in enumerate(names)}
-            editor.grow(trainer, pl_module, network, blocks, x)
-            new += list(blocks.values())
+            result = editor.grow(trainer, pl_module, network, blocks, x)
+            new += [grown_blocks(network)[k] for k in result["growth_index"]]  # what went in (a HF layer, not its candidate)
         if self.insertion != "zero":
             for block in new:
                 k = next(i for i, b in enumerate(grown_blocks(network)) if b is block)

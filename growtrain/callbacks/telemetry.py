@@ -55,7 +55,7 @@ def check_record(report: SaturationReport | None, action: str, reason: str, site
     """The history fields that describe a check's outcome and the report behind it.
 
     ``action`` is the code value (``"grow"``, ``"saturated"``, ``"budget"``, ``"fork"``: a fork
-    opened, ``"wait"``: a window not full yet, nothing decided); ``certified`` is the
+    opened, nothing decided yet); ``certified`` is the
     deciding verdict's ``Verdict.certified``. ``saturated`` and ``certified`` are true only for a
     stop whose verdict certified it (an upper bound below the margin): a stop on a lower bound that
     did not clear the margin is ``action="saturated"`` with both false ("no certified gain")."""

@@ -61,8 +61,8 @@ __all__ = ["MeasureResult", "run_measure", "site_dims", "QUESTION", "fit_verdict
 
 QUESTION = ("Question answered: the first-order value of one new zero-output block at each site of this network as "
             "it is (the probe gradient of its last map, before any training): not what a new block is worth once "
-            "trained (the growth callback's trial, decision='trial'), nor how far the growing run's loss fell over "
-            "a window of epochs (decision='window').")
+            "trained (the growth callback's trial, decision='trial'), nor what blocks trained with the run until "
+            "the next check gain (decision='stage_fork').")
 
 
 def _growth_state(checkpoint: dict | None) -> dict | None:
@@ -78,22 +78,19 @@ def fit_verdict(checkpoint: dict | None) -> dict | None:
         return None
     history = state.get("history") or []
     last = history[-1] if history else {}
-    decided_by = next((k for k in ("trial", "window", "fork") if last.get(k)), None) or last.get("rule")
+    decided_by = next((k for k in ("trial", "fork") if last.get(k)), None) or last.get("rule")
     return {"finished": state.get("finished"), "stop_reason": state.get("stop_reason"), "checks": len(history),
             "decided_by": decided_by}  # fmt: skip
 
 
 _DECIDED_BY = {
     "trial": "block-only trials (decision='trial'): what a new block lowers the held-out loss by once trained",
-    "window": "the window rule (decision='window'): how far the growing run's probe loss fell over its last window "
-              "of epochs",
-    "fork": "the paired fork (decision='fork' or 'stage_fork'): the run against a copy with the block(s), trained on "
+    "fork": "the paired stage fork (decision='stage_fork'): the run against a copy with the block(s), trained on "
             "the same batches and cooled, on the probe",
 }
 # what the fit could not certify, per decision (the second half of relation_to_fit's answer)
 _NOT_CERTIFIED = {
     "trial": "that a trained block lowers the loss by more than min_gain",
-    "window": "that training on while growing lowers the loss by more than min_gain over a window",
     "fork": "that the block(s), trained with the run until the next check, lower the loss by more than min_gain",
 }
 

@@ -1,0 +1,295 @@
+"""GrowOnSchedule and the three insertions (zero, MSG mask ramp, G_stack copy), checked against
+explicit computations: the masked network against a hand-written mix of the block's plain forward,
+the copy against the neighbour's tensors, optimizer state by Adam's own step counts."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from growtrain.growable import grown_blocks
+from growtrain.insertion import MaskRamp, copy_neighbour, draw_terminal, function_preserving, neighbour_block
+from growtrain.models.gpt import GPT, GPTConfig
+
+
+def _gpt(n_layer=2, seed=0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(n_layer=n_layer, d_model=16, n_head=2, block_size=8, vocab_size=32))
+
+
+def _explicit(net: GPT, idx: torch.Tensor, masks: dict[int, float]) -> torch.Tensor:
+    """The network's forward written out, each masked block as x + m·(plain block(x) − x)."""
+    t = net.transformer
+    x = t.wte(idx) + t.wpe(torch.arange(idx.shape[1]))
+    for block in t.h:
+        y = type(block).forward(block, x)  # the class's forward: no hooks
+        m = masks.get(id(block))
+        x = y if m is None else x + m * (y - x)
+    return net.lm_head(t.ln_f(x))
+
+
+def test_mask_ramp_is_the_network_at_insertion_then_mixes_the_block_in_linearly():
+    net = _gpt().eval()
+    idx = torch.randint(0, 32, (3, 8))
+    with torch.no_grad():
+        before = net(idx)
+    block = net.grow("h.1")
+    draw_terminal(net, block, torch.Generator().manual_seed(1))
+    ramp = MaskRamp(steps=4)
+    ramp.add(block, start=10)
+    with torch.no_grad():
+        torch.testing.assert_close(net(idx), before, rtol=0, atol=1e-6)  # m = 0: function-preserving
+        assert not torch.allclose(_explicit(net, idx, {}), before, atol=1e-3)  # the drawn block does change it
+        for step, m in ((11, 0.25), (12, 0.5), (13, 0.75)):
+            ramp.set_step(step)
+            assert ramp.mask(block) == m
+            torch.testing.assert_close(net(idx), _explicit(net, idx, {id(block): m}), rtol=1e-6, atol=1e-6)
+        ramp.set_step(14)
+        assert ramp.mask(block) is None and len(ramp) == 0  # at m = 1 the hook is gone
+        assert not block._forward_hooks
+        torch.testing.assert_close(net(idx), _explicit(net, idx, {}), rtol=1e-6, atol=1e-6)
+
+
+def test_draw_terminal_takes_the_neighbours_scale_and_leaves_biases_zero():
+    net = _gpt()
+    with torch.no_grad():
+        for p in net.transformer.h[0].terminal_parameters():
+            if p.dim() == 2:
+                p.mul_(7.0)  # a trained neighbour with a scale of its own
+    block = net.grow("h.1")
+    assert neighbour_block(net, block) is net.transformer.h[0]
+    draw_terminal(net, block, torch.Generator().manual_seed(0))
+    for p, q in zip(block.terminal_parameters(), net.transformer.h[0].terminal_parameters()):
+        if p.dim() == 1:
+            assert torch.count_nonzero(p) == 0
+        else:
+            assert 0.8 < float(p.detach().std() / q.detach().std()) < 1.25  # 256 or 1024 draws of N(0, std(q)²)
+    again = _gpt()
+    with torch.no_grad():
+        for p in again.transformer.h[0].terminal_parameters():
+            if p.dim() == 2:
+                p.mul_(7.0)
+    other = again.grow("h.1")
+    draw_terminal(again, other, torch.Generator().manual_seed(0))
+    for p, q in zip(block.parameters(), other.parameters()):
+        assert torch.equal(p, q)  # seeded: the same draw on every run and rank
+
+
+def test_copy_takes_every_tensor_of_the_block_below_or_above_at_the_bottom():
+    net = _gpt(n_layer=2)
+    top = net.grow("h.2")
+    ids = [id(p) for p in top.parameters()]
+    copy_neighbour(net, top)
+    assert [id(p) for p in top.parameters()] == ids  # in place: the optimizer's references hold
+    for (name, p), q in zip(top.state_dict().items(), net.transformer.h[1].state_dict().values()):
+        assert torch.equal(p, q), name
+    bottom = net.grow("h.0")
+    copy_neighbour(net, bottom)
+    for p, q in zip(bottom.state_dict().values(), net.transformer.h[1].state_dict().values()):
+        assert torch.equal(p, q)  # the old h.0, now h.1
+    assert not function_preserving("copy") and function_preserving("mask_ramp") and function_preserving("zero")
+    lone = _gpt(n_layer=1)
+    with torch.no_grad():
+        lone.transformer.h[0].zero_init_last()
+    fresh = lone.grow("h.1")
+    with pytest.raises(ValueError, match="no trained neighbour"):
+        copy_neighbour(lone, fresh)
+
+
+def test_schedule_sites_stack_on_top_or_interleave():
+    from growtrain.callbacks.scheduled import schedule_sites
+
+    assert schedule_sites(3, 3, "interleave") == ["h.1", "h.2", "h.3"]  # one after each block: depth doubles
+    assert schedule_sites(4, 2, "interleave") == ["h.2", "h.4"]
+    assert schedule_sites(3, 2, "last") == ["h.3", "h.4"]
+    assert schedule_sites(3, 2, "first") == ["h.0", "h.0"]
+    with pytest.raises(ValueError, match="at most 2 at once"):
+        schedule_sites(2, 3, "interleave")
+
+
+def test_wsd_factor_is_warmup_flat_then_linear_decay():
+    from growtrain.optim import WarmupStableDecay, wsd_factor
+
+    f = [wsd_factor(s, warmup_steps=2, total_steps=10, decay_steps=4, min_lr_ratio=0.1) for s in range(12)]
+    expected = [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1 - 0.9 * 0.25, 1 - 0.9 * 0.5, 1 - 0.9 * 0.75, 0.1, 0.1]
+    assert f == pytest.approx(expected)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    with pytest.raises(ValueError, match="warmup_steps \\+ decay_steps <= total_steps"):
+        WarmupStableDecay(opt, warmup_steps=5, total_steps=8, decay_steps=4)
+
+
+# -- GrowOnSchedule inside Trainer.fit ------------------------------------------------------------------
+def _text_data():
+    from growtrain.data.text import TextDataModule
+
+    return TextDataModule(tokenizer="byte", max_chars=6000, block_size=16, batch_size=8, eval_batch_size=32,
+                          probe_fraction=0.1, val_fraction=0.05, test_fraction=0.0)  # fmt: skip
+
+
+def _lm(n_layer=1):
+    import functools
+
+    from growtrain.lm import LanguageModel
+
+    torch.manual_seed(0)
+    return LanguageModel(n_layer=n_layer, d_model=16, n_head=2, block_size=16, vocab_size=256,
+                         optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))  # fmt: skip
+
+
+def _trainer(tmp_path, callbacks, quiet, **kw):
+    import lightning as L
+
+    return L.Trainer(limit_train_batches=4, limit_val_batches=1, callbacks=callbacks, **{**quiet, **kw})
+
+
+@pytest.mark.parametrize("insertion", ["zero", "copy"])
+def test_grows_at_the_fractions_with_fresh_optimizer_state(insertion, tmp_path, quiet_trainer_kwargs):
+    from growtrain import GrowOnSchedule
+
+    grow = GrowOnSchedule(at=[0.25, 0.5], insertion=insertion, verbose=False)
+    module = _lm()
+    trainer = _trainer(tmp_path, [grow], quiet_trainer_kwargs, max_steps=12)
+    trainer.fit(module, datamodule=_text_data())
+    assert grow.steps == [3, 6] and [g["step"] for g in grow.growths] == [3, 6]
+    assert [g["sites"] for g in grow.growths] == [["h.1"], ["h.2"]] and module.network.depth() == 3
+    if insertion == "zero":
+        assert all(g["max_abs_change"] <= 1e-6 for g in grow.growths)
+    else:
+        assert all(g["max_abs_change"] > 1e-3 for g in grow.growths)  # a copy changes the function, and says so
+    optimizer = trainer.optimizers[0]
+    names = [g.get("name") for g in optimizer.param_groups]
+    assert any(str(n).startswith("growth0") for n in names) and any(str(n).startswith("growth1") for n in names)
+    # Adam counts each parameter's own steps: 12 for the base, 12 − 3 and 12 − 6 for the grown blocks —
+    # their state began at zero when they went in (a copied state would count 12)
+    steps = lambda p: int(optimizer.state[p]["step"])  # noqa: E731
+    assert steps(module.network.transformer.wte.weight) == 12
+    first, second = grown_blocks(module.network)
+    assert {steps(p) for p in first.parameters()} == {9} and {steps(p) for p in second.parameters()} == {6}
+
+
+@pytest.mark.filterwarnings(
+    r"ignore:Checkpoint directory .* exists and is not empty:UserWarning:lightning\.pytorch\.callbacks\.model_checkpoint"
+)
+def test_a_fit_cut_mid_ramp_resumes_with_the_mask_where_it_was(tmp_path, quiet_trainer_kwargs):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from growtrain import GrowOnSchedule
+    from growtrain.callbacks import RandomStateCheckpoint
+
+    class Crash(L.Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch == 1:  # after the first 4-step epoch: m = (4 − 2) / 6 at the cut
+                raise RuntimeError("simulated crash")
+
+    def fit(ckpt=None, folder="a", crash=False):
+        L.seed_everything(0)
+        grow = GrowOnSchedule(at=[2], insertion="mask_ramp", ramp_steps=6, verbose=False)
+        cb = [grow, RandomStateCheckpoint(), ModelCheckpoint(dirpath=tmp_path / folder, save_last=True, every_n_epochs=1)]
+        module = _lm()
+        kw = {**quiet_trainer_kwargs, "enable_checkpointing": True, "limit_val_batches": 0, "deterministic": True}
+        trainer = L.Trainer(limit_train_batches=4, max_epochs=3, callbacks=cb + ([Crash()] if crash else []), **kw)
+        if crash:
+            with pytest.raises(RuntimeError, match="simulated crash"):
+                trainer.fit(module, datamodule=_text_data())
+        else:
+            trainer.fit(module, datamodule=_text_data(), ckpt_path=ckpt)
+        return module, grow
+
+    whole, _ = fit()
+    fit(folder="cut", crash=True)
+    shutil.copy(tmp_path / "cut" / "last.ckpt", tmp_path / "cut.ckpt")
+    resumed, grow = fit(ckpt=str(tmp_path / "cut.ckpt"), folder="b")
+    assert resumed.network.depth() == 2 and len(grow._ramp) == 0  # ramped to 1 by step 8, the hook removed
+    for p, q in zip(whole.state_dict().values(), resumed.state_dict().values()):
+        if isinstance(p, torch.Tensor):
+            assert torch.equal(p, q)  # the uninterrupted fit, bit for bit: the ramp went on where it was
+    assert grow.growths == [{"step": 2, "sites": ["h.1"], "depth": 2, "insertion": "mask_ramp",
+                             "max_abs_change": grow.growths[0]["max_abs_change"]}]  # fmt: skip
+    assert grow.growths[0]["max_abs_change"] <= 1e-6
+
+
+def test_bad_arguments_are_refused_with_the_fix(tmp_path, quiet_trainer_kwargs):
+    from growtrain import GrowOnSchedule, GrowUntilSaturated
+
+    for kwargs, match in (({"at": []}, "non-empty list"), ({"at": [0.5, 2]}, "all fractions"),
+                          ({"at": [1.5]}, "all fractions"), ({"at": [0.4, 0.2]}, "strictly increasing"),
+                          ({"at": [0.1, 0.2], "blocks": [1]}, "one per point"), ({"at": [0.1], "site": "middle"}, "site"),
+                          ({"at": [0.1], "insertion": "random"}, "insertion: expected one of"),
+                          ({"at": [0.1], "ramp_steps": 0}, "ramp_steps")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            GrowOnSchedule(**kwargs)
+    trainer = _trainer(tmp_path, [GrowOnSchedule(at=[0.5]), GrowUntilSaturated(verbose=False)], quiet_trainer_kwargs,
+                       max_steps=2)  # fmt: skip
+    module = _lm()
+    with pytest.raises(ValueError, match="use one"):
+        trainer.fit(module, datamodule=_text_data())
+    assert module.network.depth() == 1
+
+
+@pytest.mark.parametrize("insertion", ["mask_ramp", "copy"])
+def test_a_hugging_face_decoder_grows_on_schedule(insertion, tmp_path, quiet_trainer_kwargs):
+    from growtrain import GrowOnSchedule
+    from growtrain.hf import HFCausalLM
+    from growtrain.hf.tiny import tiny_model
+
+    module = HFCausalLM(model=tiny_model("llama", vocab=256, hidden=16, heads=2))
+    grow = GrowOnSchedule(at=[2], blocks=2, site="interleave", insertion=insertion, ramp_steps=3, verbose=False)
+    _trainer(tmp_path, [grow], quiet_trainer_kwargs, max_steps=4).fit(module, datamodule=_text_data())
+    net = module.network
+    assert net.depth() == 4 and net.config.num_hidden_layers == 4
+    (record,) = grow.growths
+    assert record["sites"] == ["layers.1", "layers.2"]  # one after each of the two layers
+    if insertion == "mask_ramp":
+        assert record["max_abs_change"] <= 1e-5 and len(grow._ramp) == 2  # m = 2/3 at the end: both still masked
+        assert all(torch.count_nonzero(p) > 0 for b in grown_blocks(net) for p in net.terminal_parameters_of(b)
+                   if p.dim() == 2)  # fmt: skip
+    else:
+        assert record["max_abs_change"] > 1e-4
+
+
+# -- the shipped config: the study's grow-zero arm, runnable ----------------------------------------------
+CONFIG = __import__("pathlib").Path(__file__).resolve().parents[1] / "configs" / "gpt_budget.yaml"
+
+
+def test_the_budget_config_is_the_studys_grow_zero_arm():
+    import importlib.util
+
+    import yaml
+
+    spec = importlib.util.spec_from_file_location("lm_budget", CONFIG.parents[1] / "experiments" / "lm_budget.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    cfg = yaml.safe_load(CONFIG.read_text())
+    arm = study.arm_spec("grow-zero")
+    steps = study.steps_for(arm, 19.2e12)  # the study's default budget, as the config's comment says
+    assert cfg["trainer"]["max_steps"] == steps
+    grow = next(c["init_args"] for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith("GrowOnSchedule"))
+    assert grow["at"] == arm["at"] and grow["site"] == arm["site"] and grow["insertion"] == arm["insertion"]
+    model, data = cfg["model"]["init_args"], cfg["data"]["init_args"]
+    assert (model["n_layer"], model["d_model"], model["n_head"], model["block_size"]) == (
+        arm["start"], study.D_MODEL, study.N_HEAD, study.BLOCK)
+    assert model["optimizer"]["init_args"]["lr"] == study.LR and data["batch_size"] == study.BATCH
+    sched = model["lr_scheduler"]["init_args"]
+    assert sched["total_steps"] == steps and sched["warmup_steps"] == max(1, steps // 100)
+    assert cfg["trainer"]["limit_train_batches"] == study.EPOCH_STEPS
+
+
+def test_the_budget_config_runs_and_grows_at_its_fractions(tmp_path):
+    from growtrain import GrowOnSchedule
+    from growtrain.cli import GrowtrainCLI
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 400)
+    cli = GrowtrainCLI(args=["fit", f"--config={CONFIG}", "--trainer.max_steps=20", "--trainer.limit_train_batches=5",
+                             "--trainer.limit_val_batches=1", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+                             f"--trainer.default_root_dir={tmp_path / 'run'}", f"--data.init_args.path={corpus}",
+                             "--data.init_args.block_size=16", "--model.init_args.block_size=16", "--data.init_args.batch_size=4",
+                             "--data.init_args.val_fraction=0.1", "--data.init_args.probe_fraction=0.1",
+                             "--data.init_args.test_fraction=0.1", "--model.init_args.d_model=16",
+                             "--model.init_args.lr_scheduler.init_args.total_steps=20",
+                             "--model.init_args.lr_scheduler.init_args.warmup_steps=1"])  # fmt: skip
+    (grow,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, GrowOnSchedule)]
+    assert [g["step"] for g in grow.growths] == [2, 4, 6, 8] and cli.model.network.depth() == 6
