@@ -9,6 +9,8 @@ FlopCounterMode, as ComputeMeter does): a deeper network takes fewer optimizer s
   grow-mask        the same, MSG's mask ramp (ramp over 5 % of the steps)
   grow-copy        the same, G_stack's copy of the block below (not function-preserving)
   grow-late        3 blocks under WSD, once at 60 %: one after each block → 6 (Bu 2025's late growth)
+  grow-late-copy   the same, each new block a copy of the one before it (G_stack's duplication)
+  grow-*-wsd       an early arm under warmup-stable-decay (its scratch reference: scratch-6-wsd)
   decide           2 blocks, GrowUntilSaturated (block-only trials every 2 of 250-step epochs) on the
                    step count of scratch-4: where the decision stops at this budget
 
@@ -43,15 +45,17 @@ def arm_spec(arm: str) -> dict:
         return {"start": L, "at": [], "depths": [L], "schedule": "wsd" if parts[-1] == "wsd" else "cosine"}
     early = {"start": 2, "at": GROW_AT, "depths": [2, 3, 4, 5, 6], "schedule": "cosine", "site": "last",
              "blocks": 1}  # fmt: skip
-    if arm == "grow-zero":
-        return early | {"insertion": "zero"}
-    if arm == "grow-mask":
-        return early | {"insertion": "mask_ramp"}
-    if arm == "grow-copy":
-        return early | {"insertion": "copy"}
-    if arm == "grow-late":
+    base, _, variant = arm.partition("-wsd")  # "-wsd": the same arm under warmup-stable-decay
+    wsd = {"schedule": "wsd"} if arm.endswith("-wsd") else {}
+    if base == "grow-zero":
+        return early | {"insertion": "zero"} | wsd
+    if base == "grow-mask":
+        return early | {"insertion": "mask_ramp"} | wsd
+    if base == "grow-copy":
+        return early | {"insertion": "copy"} | wsd
+    if base in ("grow-late", "grow-late-copy"):
         return {"start": 3, "at": [0.6], "depths": [3, 6], "schedule": "wsd", "site": "interleave", "blocks": 3,
-                "insertion": "zero"}  # fmt: skip
+                "insertion": "copy" if base.endswith("copy") else "zero"}  # fmt: skip
     if arm == "decide":
         return {"start": 2, "at": [], "depths": [4], "schedule": "cosine", "decide": True}
     raise SystemExit(f"arm: unknown {arm!r}")

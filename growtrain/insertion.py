@@ -11,8 +11,9 @@ the growth paths check the output did not change). What happens next is the inse
   fresh one (no zero terminal map to grow out of).
 * ``"copy"`` (G_stack, arXiv 2405.15319): the block takes the weights of its neighbour below
   (above at the first position). NOT function-preserving: the network's output changes at insertion.
-  Refused by every growth path that certifies a decision on the unchanged function
-  (``GrowUntilSaturated``); ``GrowOnSchedule`` takes it and records the change.
+  ``GrowUntilSaturated`` never inserts anything but a zero block (its checks, trials and forks score
+  blocks against the unchanged function; a fit with both callbacks is refused at setup);
+  ``GrowOnSchedule``, which certifies nothing, takes it and logs the output's change.
 
 Pure functions on modules; no Lightning. The mask lives in a forward hook and a plain dict (not in
 the block's state dict), so a grown checkpoint's keys are the same for every kind; the ramp's

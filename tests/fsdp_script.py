@@ -287,7 +287,7 @@ def fit(args, name: str) -> None:
         "growth_log": module.growable_network.growth_log, "error": error,
         "param_groups": [g.get("name") for g in trainer.optimizers[0].param_groups] if trainer.optimizers else [],
         "after_growth": after.facts, "depth": module.growable_network.depth(),
-        "grown_sum": grown_sum, "trial_watch": trials.seen if trials is not None else None "units": len(units), "root_states": [len(r._state_ctx.all_states) for r in roots],
+        "grown_sum": grown_sum, "trial_watch": trials.seen if trials is not None else None, "units": len(units), "root_states": [len(r._state_ctx.all_states) for r in roots],
         "local_checksum": float(sum(p.to_local().double().sum() if hasattr(p, "to_local") else p.double().sum()
                                     for p in module.parameters())),
     }  # fmt: skip

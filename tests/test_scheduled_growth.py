@@ -254,7 +254,7 @@ def test_a_hugging_face_decoder_grows_on_schedule(insertion, tmp_path, quiet_tra
 CONFIG = __import__("pathlib").Path(__file__).resolve().parents[1] / "configs" / "gpt_budget.yaml"
 
 
-def test_the_budget_config_is_the_studys_grow_zero_arm():
+def test_the_budget_config_is_the_studys_grow_copy_wsd_arm():
     import importlib.util
 
     import yaml
@@ -263,17 +263,20 @@ def test_the_budget_config_is_the_studys_grow_zero_arm():
     study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study)
     cfg = yaml.safe_load(CONFIG.read_text())
-    arm = study.arm_spec("grow-zero")
+    arm = study.arm_spec("grow-copy-wsd")
     steps = study.steps_for(arm, 19.2e12)  # the study's default budget, as the config's comment says
     assert cfg["trainer"]["max_steps"] == steps
     grow = next(c["init_args"] for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith("GrowOnSchedule"))
     assert grow["at"] == arm["at"] and grow["site"] == arm["site"] and grow["insertion"] == arm["insertion"]
+    assert grow["blocks"] == arm["blocks"] and arm["schedule"] == "wsd"
     model, data = cfg["model"]["init_args"], cfg["data"]["init_args"]
     assert (model["n_layer"], model["d_model"], model["n_head"], model["block_size"]) == (
         arm["start"], study.D_MODEL, study.N_HEAD, study.BLOCK)
     assert model["optimizer"]["init_args"]["lr"] == study.LR and data["batch_size"] == study.BATCH
     sched = model["lr_scheduler"]["init_args"]
+    assert model["lr_scheduler"]["class_path"] == "growtrain.optim.WarmupStableDecay"
     assert sched["total_steps"] == steps and sched["warmup_steps"] == max(1, steps // 100)
+    assert sched["decay_steps"] == steps // 5
     assert cfg["trainer"]["limit_train_batches"] == study.EPOCH_STEPS
 
 
@@ -290,6 +293,9 @@ def test_the_budget_config_runs_and_grows_at_its_fractions(tmp_path):
                              "--data.init_args.val_fraction=0.1", "--data.init_args.probe_fraction=0.1",
                              "--data.init_args.test_fraction=0.1", "--model.init_args.d_model=16",
                              "--model.init_args.lr_scheduler.init_args.total_steps=20",
-                             "--model.init_args.lr_scheduler.init_args.warmup_steps=1"])  # fmt: skip
+                             "--model.init_args.lr_scheduler.init_args.warmup_steps=1",
+                             "--model.init_args.lr_scheduler.init_args.decay_steps=4"])  # fmt: skip
     (grow,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, GrowOnSchedule)]
-    assert [g["step"] for g in grow.growths] == [2, 4, 6, 8] and cli.model.network.depth() == 6
+    assert [(g["step"], g["sites"]) for g in grow.growths] == [(2, ["h.2"]), (4, ["h.3"]), (6, ["h.4"]), (8, ["h.5"])]
+    assert all(g["insertion"] == "copy" and g["max_abs_change"] > 0 for g in grow.growths)  # it says the output moved
+    assert cli.model.network.depth() == 6 and cli.trainer.global_step == 20
