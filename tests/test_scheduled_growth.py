@@ -209,6 +209,22 @@ def test_a_fit_cut_mid_ramp_resumes_with_the_mask_where_it_was(tmp_path, quiet_t
     assert grow.growths == [{"step": 2, "sites": ["h.1"], "depth": 2, "insertion": "mask_ramp",
                              "max_abs_change": grow.growths[0]["max_abs_change"]}]  # fmt: skip
     assert grow.growths[0]["max_abs_change"] <= 1e-6
+    saved = torch.load(tmp_path / "cut.ckpt", weights_only=False)["callbacks"]
+    (state,) = [v for k, v in saved.items() if k.startswith("GrowOnSchedule")]
+    assert state["ramps"] == [{"k": 0, "start": 2}] and grow.state_dict()["ramps"] == []  # kept mid-ramp, dropped at 1
+
+
+def test_with_gradient_accumulation_a_growth_comes_right_after_an_optimizer_step(tmp_path, quiet_trainer_kwargs):
+    from growtrain import GrowOnSchedule
+
+    grow = GrowOnSchedule(at=[2], verbose=False)
+    module = _lm()
+    trainer = _trainer(tmp_path, [grow], quiet_trainer_kwargs, max_steps=4, accumulate_grad_batches=2)
+    trainer.fit(module, datamodule=_text_data())
+    assert [g["step"] for g in grow.growths] == [2] and trainer.global_step == 4
+    (block,) = grown_blocks(module.network)
+    # two optimizer steps after the growth, each over two whole micro-batches: Adam counted 2 for the block
+    assert {int(trainer.optimizers[0].state[p]["step"]) for p in block.parameters()} == {2}
 
 
 def test_bad_arguments_are_refused_with_the_fix(tmp_path, quiet_trainer_kwargs):

@@ -35,7 +35,6 @@ import copy
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any, Iterator
 
 import torch
@@ -103,8 +102,6 @@ class PairedFork:
     def __init__(self, *, min_gain: float, seed: int = 0, horizon: str = "the interval"):
         self.min_gain, self.seed, self.horizon = float(min_gain), int(seed), horizon
         self.forks = 0  # forks opened so far: seeds each arm's block and bootstrap
-        self.failed: list[str] = []  # sites whose fork did not pay since the last growth
-        self.uppers: list[float] = []  # their upper bounds (fractions of the loss)
         self.site: str | None = None  # the open fork's site(s) in words (None: no fork open)
         self.sites: list[str] = []  # its sites
         self.opened: dict | None = None  # epoch and step at which it opened
@@ -124,7 +121,7 @@ class PairedFork:
 
     # -- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        state = {"forks": self.forks, "failed": list(self.failed), "uppers": list(self.uppers), "site": self.site,
+        state = {"forks": self.forks, "site": self.site,
                  "sites": list(self.sites),
                  "opened": self.opened, "steps": self.steps, "refs": list(self.refs), "ratios": list(self.ratios),
                  "cool_lrs": [list(v) for v in self.cool_lrs], "cool_steps": self.cool_steps}  # fmt: skip
@@ -139,8 +136,6 @@ class PairedFork:
 
     def load_state_dict(self, state: dict) -> None:
         self.forks = int(state.get("forks", 0))
-        self.failed = list(state.get("failed", []))
-        self.uppers = [float(u) for u in state.get("uppers", [])]
         self.site, self.opened, self.steps = state.get("site"), state.get("opened"), int(state.get("steps", 0))
         self.sites = list(state.get("sites", []))
         self.refs, self.ratios = list(state.get("refs", [])), list(state.get("ratios", []))
@@ -329,11 +324,6 @@ class PairedFork:
         verdict = fork_verdict(test, site=self.site, min_gain=self.min_gain, horizon=self.horizon, scored=scored)
         if trainer.world_size > 1:  # one decision on every rank: rank 0's
             verdict, test = trainer.strategy.broadcast((verdict, test), src=0)
-        if verdict.saturated:  # the blocks did not pay: growth ends, certified only if the upper bound is below min_gain
-            self.failed, self.uppers = [self.site], [float(test["upper_frac"])]
-            verdict = replace(verdict, certified=all(u < self.min_gain for u in self.uppers))
-        else:
-            self.failed, self.uppers = [], []
         self.seconds += time.perf_counter() - start
         entry = {"site": self.site, "opened": self.opened, "arm_steps": self.steps, "cool_steps": self.cool_steps,
                  "cooled": self.cool is not None, "saturated": verdict.saturated,

@@ -103,7 +103,6 @@ class GrowOnSchedule(Callback):
         self.done = 0  # points of ``at`` reached
         self.growths: list[dict] = []
         self._ramps: list[dict] = []  # {"k": growth index, "start": step} of blocks still masked
-        self._last_step = -1
 
     # -- checkpoint state ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -155,19 +154,18 @@ class GrowOnSchedule(Callback):
         self._ramp.clear()
         for r in self._ramps:  # a resumed fit: the masks of blocks still ramping, where they were
             self._ramp.add(blocks[r["k"]], r["start"], trainer.global_step)
-        self._last_step = trainer.global_step
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if len(self._ramp):
-            self._ramp.set_step(trainer.global_step)
-            self._ramps = [r for r in self._ramps if self._ramp.mask(grown_blocks(self._network)[r["k"]]) is not None]
+        if self._ramps:
+            step = trainer.global_step
+            self._ramp.set_step(step)  # removes a mask that reached 1; the checkpoint keeps the rest
+            self._ramps = [r for r in self._ramps if self._ramp.value(r["start"], step) < 1.0]
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
+        # global_step moves only at an optimizer step, so the first batch end at or past a point is the
+        # one right after that step (with gradient accumulation too): growth never splits an accumulation
         step = trainer.global_step
-        if step == self._last_step:  # no optimizer step since the last batch (gradient accumulation)
-            return
-        self._last_step = step
         if self.steps is not None and self.done < len(self.steps) and step >= self.steps[self.done]:
             self._grow(trainer, pl_module, _inputs(batch), self.blocks[self.done])
             self.done += 1
@@ -179,24 +177,28 @@ class GrowOnSchedule(Callback):
         sites = schedule_sites(len(network.stage(stage)), n, self.site, stage)
         # one editor call per block at a repeated site ("last", "first"); one for distinct sites
         batches = [[s] for s in sites] if len(set(sites)) < len(sites) else [sites]
-        before = eval_output(ProbeView(pl_module, network), to_device(x, next(network.parameters()).device))
-        new: list[nn.Module] = []
+        view, device = ProbeView(pl_module, network), next(network.parameters()).device
+        # the editor checks each zero insertion left the output unchanged; copy and mask_ramp change the
+        # blocks after it, so their change is measured here, over the whole growth
+        before = eval_output(view, to_device(x, device)) if self.insertion != "zero" else None
+        ks: list[int] = []
+        change = 0.0
         for names in batches:
             k0 = len(network.growth_log)
             blocks = {name: network.new_block(name, seed=self.seed * 1000 + k0 + i) for i, name in enumerate(names)}
             result = editor.grow(trainer, pl_module, network, blocks, x)
-            new += [grown_blocks(network)[k] for k in result["growth_index"]]  # what went in (a HF layer, not its candidate)
-        if self.insertion != "zero":
-            for block in new:
-                k = next(i for i, b in enumerate(grown_blocks(network)) if b is block)
-                if self.insertion == "copy":
-                    ins.copy_neighbour(network, block)
-                else:
-                    ins.draw_terminal(network, block, torch.Generator().manual_seed(self.seed * 1000 + k + 500))
-                    self._ramp.add(block, trainer.global_step)
-                    self._ramps.append({"k": k, "start": trainer.global_step})
-        after = eval_output(ProbeView(pl_module, network), to_device(x, next(network.parameters()).device))
-        change = float((after.float() - before.float()).abs().max())
+            ks += result["growth_index"]
+            change = max(change, result["max_abs_change"])
+        for k in ks:
+            block = grown_blocks(network)[k]  # what went in (a HF layer, not its candidate)
+            if self.insertion == "copy":
+                ins.copy_neighbour(network, block)
+            elif self.insertion == "mask_ramp":
+                ins.draw_terminal(network, block, torch.Generator().manual_seed(self.seed * 1000 + k + 500))
+                self._ramp.add(block, trainer.global_step)
+                self._ramps.append({"k": k, "start": trainer.global_step})
+        if before is not None:
+            change = float((eval_output(view, to_device(x, device)).float() - before.float()).abs().max())
         record = {"step": trainer.global_step, "sites": sites, "depth": network.depth(), "insertion": self.insertion,
                   "max_abs_change": change}  # fmt: skip
         self.growths.append(record)
