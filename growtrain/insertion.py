@@ -50,10 +50,16 @@ def function_preserving(kind: str) -> bool:
     return _PRESERVING[check_insertion(kind)]
 
 
-def neighbour_block(network: nn.Module, block: nn.Module) -> nn.Module | None:
-    """The block's stage neighbour that was there before it: the one below, else the one above.
+def _same_tensors(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return set(sa) == set(sb) and all(getattr(sa[k], "shape", None) == getattr(sb[k], "shape", None) for k in sa)
 
-    Blocks inserted in the same growth are skipped only if they are zero; ``None`` for a stage of one.
+
+def neighbour_block(network: nn.Module, block: nn.Module) -> nn.Module | None:
+    """The block's nearest stage neighbour with its tensors (names and shapes) that was there before
+    it: below first, else above. A stage's shape-changing first block (a ResNet's stride-2
+    transition) is never one. Blocks inserted in the same growth are skipped only if they are
+    zero; ``None`` when there is none.
     """
     for stage_name in network.growable_stages:
         stage = network.stage(stage_name)
@@ -62,7 +68,7 @@ def neighbour_block(network: nn.Module, block: nn.Module) -> nn.Module | None:
             continue
         order = list(range(index - 1, -1, -1)) + list(range(index + 1, len(stage)))
         for j in order:
-            if any(bool(torch.any(p.detach() != 0)) for p in _terminal(network, stage[j])):
+            if _same_tensors(stage[j], block) and any(bool(torch.any(p.detach() != 0)) for p in _terminal(network, stage[j])):
                 return stage[j]
         return None
     raise ValueError("block: it is not in any growable stage of the network; insert it with network.grow first")
@@ -81,12 +87,10 @@ def copy_neighbour(network: nn.Module, block: nn.Module) -> nn.Module:
     """
     source = neighbour_block(network, block)
     if source is None:
-        raise ValueError("insertion='copy': the new block has no trained neighbour in its stage to copy")
+        raise ValueError("insertion='copy': the new block has no trained neighbour with its tensors in its stage to "
+                         "copy (a stage's shape-changing first block is not one)")  # fmt: skip
     mine = dict(block.state_dict(keep_vars=True))
     theirs = source.state_dict(keep_vars=True)
-    if set(mine) != set(theirs):
-        raise ValueError(f"insertion='copy': the neighbour {type(source).__name__} does not have the new block's "
-                         "tensors; copy needs blocks of one class")  # fmt: skip
     for key, tensor in mine.items():
         tensor.copy_(theirs[key].detach())
     return source

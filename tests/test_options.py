@@ -74,7 +74,7 @@ def test_at_most_25_options_none_removed_and_the_callback_takes_exactly_them():
     assert {n: signature[n].default for n in names} == defaults
     grow = GrowUntilSaturated(verbose=False)
     assert not any(hasattr(grow, n) for n in FORMER_OPTIONS)  # no attribute left behind either
-    assert DECISIONS == ("trial", "rule", "stage_fork")
+    assert DECISIONS == ("trial", "rule", "stage_fork", "probation")
 
 
 def test_the_removed_values_of_kept_options_are_refused_with_the_fix():

@@ -315,3 +315,38 @@ def test_the_budget_config_runs_and_grows_at_its_fractions(tmp_path):
     assert [(g["step"], g["sites"]) for g in grow.growths] == [(2, ["h.2"]), (4, ["h.3"]), (6, ["h.4"]), (8, ["h.5"])]
     assert all(g["insertion"] == "copy" and g["max_abs_change"] > 0 for g in grow.growths)  # it says the output moved
     assert cli.model.network.depth() == 6 and cli.trainer.global_step == 20
+
+
+def test_cyclic_growth_spreads_a_resnets_blocks_as_the_sweep_does_and_copies_only_same_shape_blocks(tmp_path):
+    """site='cyclic' on a 3-stage ResNet: the network's k-th block on top of stage k mod 3, so 7 blocks
+    give the sweep's added=7 layout (4-3-3). A copy takes the nearest block of its shape in the stage;
+    a stage's first added block has only the stride-2 transition below it, so it starts at zero."""
+    import lightning as L
+
+    from growtrain import GrowOnSchedule
+    from growtrain.data import ImageDataModule
+    from growtrain.module import ImageClassifier
+
+    L.seed_everything(0)
+    grow = GrowOnSchedule(at=[2, 4, 6, 8], blocks=[2, 2, 2, 1], site="cyclic", insertion="copy", verbose=False)
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3)
+    dm = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=200, synthetic_classes=4, probe_size=40,
+                         val_size=20, batch_size=20, augment=False)  # fmt: skip
+    trainer = L.Trainer(max_steps=10, callbacks=[grow], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                        default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(model, dm)
+    net = model.network
+    reference = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], added=7, family="basic", in_channels=3).network
+    assert [len(net.stage(s)) for s in net.growable_stages] == [len(reference.stage(s)) for s in reference.growable_stages]
+    assert [g["sites"] for g in grow.growths] == [["layer1.1", "layer2.1"], ["layer3.1", "layer1.2"],
+                                                  ["layer2.2", "layer3.2"], ["layer1.3"]]  # fmt: skip
+    # the first block added to layer2 and layer3 had no block of its shape to copy: zero start, said so
+    assert [g["zero"] for g in grow.growths] == [["layer2.1"], ["layer3.1"], [], []]
+    assert grow.growths[0]["max_abs_change"] > 0  # layer1.1 is a copy of layer1.0: the function moved
+    # neighbour_block never offers the transition block (other tensors) as a source
+    lone = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3).network
+    fresh = lone.grow("layer2.1")
+    assert neighbour_block(lone, fresh) is None
+    with pytest.raises(ValueError, match="no trained neighbour with its tensors"):
+        copy_neighbour(lone, fresh)

@@ -30,7 +30,7 @@ from growtrain.growable import grown_blocks, resolve_network
 
 __all__ = ["GrowOnSchedule", "schedule_sites"]
 
-Placement = Literal["last", "first", "interleave"]
+Placement = Literal["last", "first", "interleave", "cyclic"]
 
 
 def schedule_sites(depth: int, n: int, site: str, stage: str = "h") -> list[str]:
@@ -59,7 +59,9 @@ class GrowOnSchedule(Callback):
             (``trainer.estimated_stepping_batches``), or optimizer-step counts (integers ≥ 1).
         blocks: blocks inserted at each point (one number for all, or one per point).
         site: ``"last"`` (on top, the default), ``"first"``, or ``"interleave"`` (one after each of
-            evenly spaced existing blocks).
+            evenly spaced existing blocks) in the last stage; ``"cyclic"``: the network's ``k``-th
+            inserted block on top of stage ``k mod S`` of its ``S`` stages (a ResNet's blocks spread as
+            a depth sweep's ``added`` spreads them; one stage: ``"last"``).
         insertion: ``"zero"`` (the paper's zero terminal map), ``"mask_ramp"`` (MSG: a random terminal
             map behind a mask ramped 0 → 1 over ``ramp_steps``), ``"copy"`` (G_stack: the neighbour's
             weights; changes the network's output).
@@ -70,7 +72,9 @@ class GrowOnSchedule(Callback):
 
     Attributes:
         growths: one dict per growth: ``step``, ``sites``, ``depth``, ``insertion``, ``max_abs_change``
-            (the output's change on the batch at insertion: 0 up to rounding unless ``copy``).
+            (the output's change on the batch at insertion: 0 up to rounding unless ``copy``) and, for
+            ``copy``, ``zero``: the sites whose block had no block of its shape in its stage to copy
+            (a ResNet stage's first added block: only the stride-2 transition is below it), left at zero.
     """
 
     def __init__(self, at: Sequence[float | int], blocks: int | Sequence[int] = 1, site: Placement = "last",
@@ -90,8 +94,8 @@ class GrowOnSchedule(Callback):
         counts = [blocks] * len(at) if isinstance(blocks, int) and not isinstance(blocks, bool) else list(blocks)
         if len(counts) != len(at) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
             raise ValueError(f"blocks: expected an integer ≥ 1 or one per point of at ({len(at)}), got {blocks!r}")
-        if site not in ("last", "first", "interleave"):
-            raise ValueError(f"site: expected 'last', 'first' or 'interleave', got {site!r}")
+        if site not in ("last", "first", "interleave", "cyclic"):
+            raise ValueError(f"site: expected 'last', 'first', 'interleave' or 'cyclic', got {site!r}")
         self.at, self.blocks, self.site = at, counts, site
         self.insertion = ins.check_insertion(insertion)
         self._ramp = ins.MaskRamp(ramp_steps)
@@ -173,15 +177,22 @@ class GrowOnSchedule(Callback):
     # -- growth --------------------------------------------------------------------------------
     def _grow(self, trainer: Trainer, pl_module: LightningModule, x: Any, n: int) -> None:
         network = self._network
-        (stage,) = network.growable_stages[-1:]  # the last stage: a decoder has one
-        sites = schedule_sites(len(network.stage(stage)), n, self.site, stage)
-        # one editor call per block at a repeated site ("last", "first"); one for distinct sites
-        batches = [[s] for s in sites] if len(set(sites)) < len(sites) else [sites]
+        if self.site == "cyclic":  # block k of the network's growth on top of stage k mod S, one editor call each
+            stages = list(network.growable_stages)
+            picks = [stages[(len(network.growth_log) + i) % len(stages)] for i in range(n)]
+            sites = [f"{st}.{len(network.stage(st)) + picks[:i].count(st)}" for i, st in enumerate(picks)]
+            batches = [[s] for s in sites]
+        else:
+            (stage,) = network.growable_stages[-1:]  # the last stage: a decoder has one
+            sites = schedule_sites(len(network.stage(stage)), n, self.site, stage)
+            # one editor call per block at a repeated site ("last", "first"); one for distinct sites
+            batches = [[s] for s in sites] if len(set(sites)) < len(sites) else [sites]
         view, device = ProbeView(pl_module, network), next(network.parameters()).device
         # the editor checks each zero insertion left the output unchanged; copy and mask_ramp change the
         # blocks after it, so their change is measured here, over the whole growth
         before = eval_output(view, to_device(x, device)) if self.insertion != "zero" else None
         ks: list[int] = []
+        kept_zero: list[int] = []
         change = 0.0
         for names in batches:
             k0 = len(network.growth_log)
@@ -191,7 +202,9 @@ class GrowOnSchedule(Callback):
             change = max(change, result["max_abs_change"])
         for k in ks:
             block = grown_blocks(network)[k]  # what went in (a HF layer, not its candidate)
-            if self.insertion == "copy":
+            if self.insertion == "copy" and ins.neighbour_block(network, block) is None:
+                kept_zero.append(k)  # nothing of its shape to copy (a stage's first added block): it starts at zero
+            elif self.insertion == "copy":
                 ins.copy_neighbour(network, block)
             elif self.insertion == "mask_ramp":
                 ins.draw_terminal(network, block, torch.Generator().manual_seed(self.seed * 1000 + k + 500))
@@ -201,6 +214,8 @@ class GrowOnSchedule(Callback):
             change = float((eval_output(view, to_device(x, device)).float() - before.float()).abs().max())
         record = {"step": trainer.global_step, "sites": sites, "depth": network.depth(), "insertion": self.insertion,
                   "max_abs_change": change}  # fmt: skip
+        if self.insertion == "copy":  # the blocks with nothing of their shape to copy, left at zero
+            record["zero"] = [sites[ks.index(k)] for k in kept_zero]
         self.growths.append(record)
         if self.verbose:
             rank_zero_info(f"GrowOnSchedule: step {record['step']}: {n} block(s) at {sites} ({self.insertion}) → depth "
