@@ -41,7 +41,6 @@ __all__ = [
     "continue_schedulers",
     "restart_schedulers",
     "reconfigure_optimizer",
-    "remove_param_groups",
 ]
 
 LR_SCHEDULES = ("continue", "restart")
@@ -312,35 +311,3 @@ def reconfigure_optimizer(
     continue_schedulers(configs, all_refs, optimizer)
     return indices
 
-
-
-# -- take a block back ---------------------------------------------------------------------------
-def remove_param_groups(optimizer: Optimizer, block: nn.Module, configs: Iterable[Any] = ()) -> list[int]:
-    """Take ``block``'s parameters (by identity) out of ``optimizer``: their groups, which must hold
-    nothing else and be the optimizer's last (a block that is taken back was the last growth),
-    their state, and every bound scheduler's per-group entries. Returns the removed groups'
-    indices. Nothing changes when a check fails (a ``ValueError`` says which)."""
-    mine = {id(p) for p in block.parameters()}
-    hit = [i for i, g in enumerate(optimizer.param_groups) if any(id(p) in mine for p in g["params"])]
-    for i in hit:
-        if any(id(p) not in mine for p in optimizer.param_groups[i]["params"]):
-            raise ValueError(f"block: optimizer group {optimizer.param_groups[i].get('name')!r} holds parameters of "
-                             "the block and others; only a block's own groups can be taken back")  # fmt: skip
-    n = len(optimizer.param_groups)
-    if hit != list(range(n - len(hit), n)):
-        raise ValueError(f"block: its groups {hit} are not the optimizer's last ({n} groups); only the last growth "
-                         "can be taken back")  # fmt: skip
-    if not hit:
-        return []
-    scheds = [s for c in configs for s in _scheduler_tree(getattr(c, "scheduler", c))
-              if getattr(getattr(c, "scheduler", c), "optimizer", None) is optimizer]  # fmt: skip
-    for g in optimizer.param_groups[hit[0]:]:
-        for p in g["params"]:
-            optimizer.state.pop(p, None)
-    del optimizer.param_groups[hit[0]:]
-    for sched in scheds:
-        for attr in _PER_GROUP_LISTS:
-            values = getattr(sched, attr, None)
-            if isinstance(values, list) and len(values) == n:
-                del values[hit[0]:]
-    return hit

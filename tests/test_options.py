@@ -74,7 +74,7 @@ def test_at_most_25_options_none_removed_and_the_callback_takes_exactly_them():
     assert {n: signature[n].default for n in names} == defaults
     grow = GrowUntilSaturated(verbose=False)
     assert not any(hasattr(grow, n) for n in FORMER_OPTIONS)  # no attribute left behind either
-    assert DECISIONS == ("trial", "rule", "stage_fork", "probation")
+    assert DECISIONS == ("trial", "rule", "stage_fork")
 
 
 def test_the_removed_values_of_kept_options_are_refused_with_the_fix():
@@ -96,6 +96,11 @@ def test_the_removed_values_of_kept_options_are_refused_with_the_fix():
         assert message.startswith(f"decision: expected one of ('trial', 'rule', 'stage_fork'); got '{removed}'. Fix: "
                                   "pass decision='stage_fork'"), message  # fmt: skip
         assert "docs/results/history.md" in message
+    with pytest.raises(ValueError) as info:  # its blocks were worth nothing left out: stopped at 3 on the full data
+        GrowUntilSaturated(schedule="periodic", decision="probation")
+    message = str(info.value)
+    assert message.startswith("decision: expected one of ('trial', 'rule', 'stage_fork'); got 'probation'. Fix: "
+                              "pass decision='stage_fork' or decision='trial'") and "docs/results/history.md" in message
 
 
 # -- the checkpoint state round-trips -----------------------------------------------------------------

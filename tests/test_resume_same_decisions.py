@@ -36,7 +36,7 @@ SHRINK = [
 
 # What a check decided and every figure it decided on (growth_history.json's fields)
 DECISION = ("check", "epoch", "step", "action", "site", "sites", "depth", "saturated", "gamma", "threshold", "lower",
-            "margin", "reason", "trial", "fork", "probation", "verdicts", "site_scores")  # fmt: skip
+            "margin", "reason", "trial", "fork", "verdicts", "site_scores")  # fmt: skip
 
 # The periodic schedule on the same cut-down quickstart: a check every 2 epochs at the constant rate,
 # the first-order rule deciding (the stage fork's resume has its own test below), one final anneal
@@ -163,36 +163,6 @@ def test_a_fit_cut_while_a_forks_copies_cool_resumes_into_the_same_decisions(tmp
     saved = next(v for k, v in state["callbacks"].items() if k.startswith("GrowUntilSaturated"))["fork"]
     assert 0 < saved["cool_steps"] < 5 and len(saved["cool"]) == 2  # cut mid-cool
     resumed = GrowtrainCLI(args=_args(tmp_path / "resumed", *fork, f"--ckpt_path={last}"))
-    assert _decisions(_grower(resumed.trainer).history) == expected
-    for (name, a), (_, b) in zip(whole.model.state_dict().items(), resumed.model.state_dict().items()):
-        assert torch.equal(a, b) if torch.is_tensor(a) else a == b, name
-
-
-# decision="probation": a block on probation (its masks drawn per batch, the run's average since it went in)
-PROBATION = ["--trainer.callbacks.schedule=periodic", "--trainer.callbacks.every_n_epochs=2",
-             "--trainer.callbacks.decision=probation", "--trainer.callbacks.lr_schedule=continue"]  # fmt: skip
-
-
-def test_a_fit_cut_while_a_block_is_on_probation_resumes_into_the_same_decisions(tmp_path):
-    """The block on probation is in the checkpoint's network, its site, looks and running average in
-    the callback's state, and its masks are drawn from the step and batch: cut one epoch into a
-    probation, the resumed fit judges the same block with the same figures, makes every later check
-    the uninterrupted fit made and ends on the same weights."""
-    whole = GrowtrainCLI(args=_args(tmp_path / "whole", *PROBATION))
-    expected = _decisions(_grower(whole.trainer).history)
-    assert expected[0]["action"] == "probation" and any((r.get("probation") or {}).get("gain_frac") is not None
-                                                        for r in expected[1:]), expected  # fmt: skip
-    stop = expected[0]["epoch"] + 1  # half-way to the first look
-    stopped = GrowtrainCLI(args=_args(tmp_path / "resumed", *PROBATION)[1:], run=False)
-    every = ModelCheckpoint(dirpath=tmp_path / "cut", filename="cut", monitor=None, save_top_k=1)
-    stopped.trainer.callbacks[:0] = [StopAtEpochEnd(stop)]
-    stopped.trainer.callbacks.append(every)
-    stopped.trainer.fit(stopped.model, datamodule=stopped.datamodule)
-    last = tmp_path / "cut" / "cut.ckpt"
-    saved = next(v for k, v in torch.load(last, weights_only=False)["callbacks"].items()
-                 if k.startswith("GrowUntilSaturated"))["probation"]  # fmt: skip
-    assert saved["site"] is not None and saved["ema_steps"] > 0 and "ema" in saved  # cut mid-probation
-    resumed = GrowtrainCLI(args=_args(tmp_path / "resumed", *PROBATION, f"--ckpt_path={last}"))
     assert _decisions(_grower(resumed.trainer).history) == expected
     for (name, a), (_, b) in zip(whole.model.state_dict().items(), resumed.model.state_dict().items()):
         assert torch.equal(a, b) if torch.is_tensor(a) else a == b, name

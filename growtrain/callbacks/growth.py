@@ -43,14 +43,12 @@ from growtrain.callbacks.editor import FunctionChangedError
 from growtrain.callbacks.fork_check import PairedFork
 from growtrain.callbacks.growth_config import GrowthConfig
 from growtrain.callbacks.monitor import StageMonitor
-from growtrain.callbacks.probation_check import Probation
 from growtrain.callbacks.probe_data import Converted, check_probe_setup, first_input
 from growtrain.callbacks.rng_state import RandomStateCheckpoint
 from growtrain.callbacks.schedule import CheckSchedule, steps_per_epoch
 from growtrain.callbacks.rule_check import FirstOrderRule
-from growtrain.callbacks.trial_check import BlockTrials, trial_candidates
+from growtrain.callbacks.trial_check import BlockTrials
 from growtrain.growable import probe_loss_for, resolve_network
-from growtrain.leave_out import MAX_LOOKS
 from growtrain.plots import outcome
 from growtrain.reconfigure import restart_schedulers
 from growtrain.saturation import SaturationReport
@@ -148,7 +146,7 @@ class GrowUntilSaturated(Callback):
         t: float | None = None,
         rule: Literal["paper", "crossfit"] | None = None,
         min_gain: float | None = dec.DEFAULT_MIN_GAIN,
-        decision: Literal["trial", "rule", "stage_fork", "probation"] | None = None,
+        decision: Literal["trial", "rule", "stage_fork"] | None = None,
         trial_epochs: float = DEFAULT_TRIAL_EPOCHS,
         max_growths: int | None = None,
         max_params: int | None = None,
@@ -182,13 +180,9 @@ class GrowUntilSaturated(Callback):
             "stage_fork": lambda: PairedFork(min_gain=self.min_gain, seed=self.seed, horizon=(
                 f"{self.every_n_epochs} epoch(s)" if self.min_steps_between_checks is None
                 else f"{self.min_steps_between_checks}+ optimizer step(s)")),
-            # converged: each look comes after a converged (annealed) stage, so the first one decides
-            "probation": lambda: Probation(min_gain=self.min_gain, seed=self.seed,
-                                           max_looks=1 if self.schedule == "converged" else MAX_LOOKS),
         }[self.decision]()  # fmt: skip
         self._trials = self._decider if isinstance(self._decider, BlockTrials) else None
         self._fork = self._decider if isinstance(self._decider, PairedFork) else None
-        self._probation = self._decider if isinstance(self._decider, Probation) else None
         self._reset_state()
         self.probe_seconds = 0.0  # wall time inside measure_saturation, this process (earlier ones: _before)
         self._fit_start = 0.0
@@ -272,10 +266,6 @@ class GrowUntilSaturated(Callback):
         self._first = first is self
         own = any(isinstance(cb, RandomStateCheckpoint) for cb in callbacks)
         self._rng_state = RandomStateCheckpoint() if first is self and not own else None
-        if self._probation is not None and sharded.is_model_parallel(trainer.strategy):
-            raise RuntimeError("strategy: decision='probation' takes a rejected block back out of the network, which is "
-                               "not done for FSDP2 shards (ModelParallelStrategy). Fix: use strategy='ddp' or one "
-                               "device, or decision='trial' under FSDP2.")  # fmt: skip
         if self._fork is not None and sharded.is_model_parallel(trainer.strategy):
             raise RuntimeError("strategy: decision='stage_fork' trains a full copy of the network beside the run, which "
                                "is not sharded under FSDP2 (ModelParallelStrategy). Fix: use strategy='ddp' or one "
@@ -380,15 +370,9 @@ class GrowUntilSaturated(Callback):
             self.restart_pending = False
         self._schedule.epoch_start(trainer, lambda: editor.optimizer_for(trainer, self._network))
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._probation is not None and self._probation.site is not None:  # this batch's masks
-            self._probation.batch_start(trainer, self._network, batch_idx)
-
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
         self._monitor.batch_end(outputs)
-        if self._probation is not None and self._probation.site is not None:  # the average takes the step in
-            self._probation.batch_end(trainer, self._network, self._horizon_steps(trainer))
         if self._fork is not None and self._fork.site is not None:  # the fork's arm trains on the same batch
             self._fork.batch_end(trainer, pl_module, self._network, batch, self._loss,
                                  horizon_steps=self._horizon_steps(trainer))
@@ -502,10 +486,7 @@ class GrowUntilSaturated(Callback):
         blocked = self._budget_reason(trainer)
         report, sites, certified = None, [], False
         opened = None
-        if self._probation is not None:
-            report, action, reason, sites, certified = self._probation_check(trainer, pl_module, network, record,
-                                                                             blocked, annealed)  # fmt: skip
-        elif blocked is not None:  # known before probing: save the probe
+        if blocked is not None:  # known before probing: save the probe
             action, reason = "budget", blocked
         else:
             report = self._measure(trainer, pl_module, network)
@@ -529,9 +510,7 @@ class GrowUntilSaturated(Callback):
                     action, reason, sites = "budget", (f"max_params={self.max_params}: the fork's blocks at "
                                                        f"{', '.join(ranked)} do not all fit ({params} parameters now)"), []
             certified = verdict.certified  # only where the verdict's upper bound was below its margin
-        if self._probation is not None:
-            pass  # _probation_check acted
-        elif action == "grow":
+        if action == "grow":
             record.update(self._grow(trainer, pl_module, network, report, sites))
             if self._fork is not None:  # the run takes the arm (its training is kept), then forks again
                 self._fork.adopt(network, editor.optimizer_for(trainer, network))
@@ -554,57 +533,6 @@ class GrowUntilSaturated(Callback):
         self.history.append(telemetry.plain(record))
         self._emit(trainer, report, record)
         return action
-
-    def _probation_check(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module, record: dict,
-                         blocked: str | None, annealed: bool) -> tuple:  # fmt: skip
-        """``decision="probation"``: judge the block on probation (growtrain/callbacks/probation_check.py),
-        act on the verdict (confirm: it stays; reject: it goes and growth ends), then put the next block
-        on probation while the budgets allow. A budget reached with a block on probation ends its
-        probation with this look: it stays only if this look confirms it."""
-        probation = self._probation
-        if blocked is not None and probation.site is None:
-            return None, "budget", blocked, [], False
-        report = self._measure(trainer, pl_module, network)
-        record["level"] = self.alpha
-        verdict, _, entry = probation.judge(probe_check.CheckInputs(
-            trainer, pl_module, network, report, self._probe_loader(trainer, shard=False), self._loss, self.alpha,
-            record["check"]))  # fmt: skip
-        record["probation"] = entry
-        act, reason, sites = entry["act"], verdict.reason, []
-        action = {"open": "probation", "confirm": "grow", "wait": "wait"}.get(act, "saturated")
-        if action == "grow":
-            sites = list(probation.sites)
-            probation.confirm()
-            self.growths += 1
-            self._schedule.new_stage()
-        elif action == "saturated" or (action == "wait" and blocked is not None):
-            probation.reject(trainer, pl_module, network, editor.optimizer_for(trainer, network))
-            if action == "wait":
-                action, reason = "budget", f"{blocked}; the block on probation was taken out ({verdict.reason})"
-        if action in ("probation", "grow"):
-            if action == "grow":  # the first-order scores of the grown network place the next blocks
-                report = self._measure(trainer, pl_module, network)
-            # the best first-order site of every stage (or the best of all)
-            blocks = {s: report.record(s).block for s in trial_candidates(
-                report, limit=len(report.sites) if probation.per_stage else 1)}  # fmt: skip
-            size = sum(telemetry.count_params(b) for b in blocks.values())
-            blocked = blocked or schedule_rules.budget_reason(
-                growths=self.growths, max_growths=self.max_growths,
-                params=telemetry.count_params(network) + size, max_params=self.max_params)  # fmt: skip
-            if blocked is None:
-                x = first_input(Converted(self._probe_loader(trainer), trainer))
-                editor.grow(trainer, pl_module, network, blocks, x, rewrap=editor.rewrap_ddp)
-                self.inserted += len(blocks)
-                self._schedule.new_stage()  # the blocks' stage: judged from its own start (a plateau afresh)
-                probation.open(network, blocks, epoch=trainer.current_epoch, step=trainer.global_step)
-                entry["next_site"] = probation.site
-            elif action == "probation":
-                action, reason = "budget", blocked
-            else:
-                reason = f"{reason}; then {blocked}"
-        if action in ("saturated", "budget") or (action == "grow" and probation.site is None):
-            self._finish(trainer, "budget" if action == "grow" else action, reason, annealed, verdict.certified)
-        return report, action, reason, sites, verdict.certified
 
     def _finish(self, trainer: Trainer, why: str, reason: str, annealed: bool = False, certified: bool = False) -> None:
         """Growth has ended: stop, continue at this depth, or start the final anneal (unless the

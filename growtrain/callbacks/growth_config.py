@@ -26,10 +26,8 @@ MODES = ("min", "max")
 # docs/decision.md); "rule": the first-order rule alone; "stage_fork" (schedule="periodic"): the run against
 # a copy with one more block in every stage, trained on the same batches until the next check, compared on
 # the probe (growtrain/fork.py). The window rule and the one-block fork were removed: their depth followed
-# the check interval, not the data (docs/results/history.md). "probation" (schedule="periodic"): a block goes
-# into the run on probation, each training sample passing through it or skipping it, and stays iff the probe
-# scored with it beats the probe scored without it (growtrain/leave_out.py).
-DECISIONS = ("trial", "rule", "stage_fork", "probation")
+# the check interval, not the data (docs/results/history.md).
+DECISIONS = ("trial", "rule", "stage_fork")
 # The first-order rules a check decides or chooses its site by (the relative rule stays a reported verdict of
 # growtrain measure and measure_saturation, not a callback option: docs/results/history.md).
 CALLBACK_RULES = ("paper", "crossfit")
@@ -86,7 +84,7 @@ class GrowthConfig:
     t: float | None = None
     rule: Literal["paper", "crossfit"] | None = None
     min_gain: float | None = DEFAULT_MIN_GAIN
-    decision: Literal["trial", "rule", "stage_fork", "probation"] | None = None
+    decision: Literal["trial", "rule", "stage_fork"] | None = None
     trial_epochs: float = DEFAULT_TRIAL_EPOCHS
     max_growths: int | None = None
     max_params: int | None = None
@@ -186,11 +184,16 @@ class GrowthConfig:
                        "more block in every stage) or decision='trial'; the window rule and the one-block fork were "
                        "removed because the depth they found followed every_n_epochs, not the data "
                        "(docs/results/history.md)")  # fmt: skip
+        if decision == "probation":
+            raise _bad("decision", f"one of {DECISIONS}", decision, "pass decision='stage_fork' or decision='trial'; the "
+                       "block on probation (trained with the run, each sample skipping it half the time, scored with "
+                       "and without it) was removed because the network without the blocks scored as well as with "
+                       "them, so it stopped at 3 blocks on the full data (docs/results/history.md)")  # fmt: skip
         _choice("decision", decision, DECISIONS)
         if decision == "stage_fork" and not periodic:
             raise _bad("decision", f"{decision!r} only with schedule='periodic' (a fork opened at one check is judged at the "
                        "next, every_n_epochs later)", decision, "pass schedule='periodic', or decision='trial'")  # fmt: skip
-        if decision in ("trial", "stage_fork", "probation") and self.min_gain is None:
+        if decision in ("trial", "stage_fork") and self.min_gain is None:
             raise _bad("decision", "min_gain set (the gain a block must certify)", f"{decision!r} with min_gain=None",
                        "pass min_gain=0.01, or decision='rule'")  # fmt: skip
         object.__setattr__(self, "decision", decision)

@@ -200,8 +200,8 @@ def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: in
         "depth": lambda h: _fmt(h.get("depth_before")), "action": outcome,
         "site": lambda h: _fmt(h.get("site")), "first-order ≥": lambda h: _fmt(h.get("lower"), ".3g"),
         # decision="trial": what decided — the best trial's certified gain, % of the probe loss
-        "block gain ≥ %": lambda h: _fmt(100 * (h.get("trial") or h.get("fork") or h.get("probation"))["lower_frac"], ".3g")
-        if (h.get("trial") or h.get("fork") or h.get("probation") or {}).get("lower_frac") is not None else "–",
+        "block gain ≥ %": lambda h: _fmt(100 * (h.get("trial") or h.get("fork"))["lower_frac"], ".3g")
+        if (h.get("trial") or h.get("fork") or {}).get("lower_frac") is not None else "–",
         "margin": lambda h: _fmt(h.get("margin")), "ratio (×R)": lambda h: _fmt(h.get("ratio"), ".3g"),
         # min_gain: the certified gain of the block grown at the previous check ("gain ≥": its
         # lower bound), and what it needed to pay (min_gain × the probe loss at that growth)
@@ -212,7 +212,7 @@ def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: in
         "margin": any(h.get("margin") for h in history),
         "ratio (×R)": any(h.get("ratio") is not None for h in history),
         "gain ≥": any(h.get("gain") for h in history), "need": any(h.get("gain") for h in history),
-        "block gain ≥ %": any(h.get("trial") or h.get("fork") or h.get("probation") for h in history),
+        "block gain ≥ %": any(h.get("trial") or h.get("fork") for h in history),
     }  # fmt: skip
     columns = [c for c in cells if shown.get(c, True)]
     for col in columns:  # the action in full ("no certified gain"): it is the row's point
