@@ -1,5 +1,5 @@
 """The per-look table of decision="probation" runs (growth_history.json under each folder), and the raw
-rows copied to docs/results/probation/<name>/ (each run's growth_history.json and runs.jsonl).
+rows copied to docs/results/probation/<name>/ (growth_history_seed<S>.json per seed, and runs.jsonl).
 
     python experiments/probation_rows.py NAME=FOLDER ...
 """
@@ -25,12 +25,12 @@ def main(pairs: list[str]) -> None:
         name, _, folder = pair.partition("=")
         for hist in sorted(Path(folder).glob("**/growth_history.json")):
             seed = hist.parent.name.rpartition("seed")[2]
-            dest = OUT / name / hist.parent.name
+            dest = OUT / name
             dest.mkdir(parents=True, exist_ok=True)
-            shutil.copy(hist, dest / "growth_history.json")
+            shutil.copy(hist, dest / f"growth_history_seed{seed}.json")  # growth_history.json is git-ignored
             runs = hist.parent.parent / "runs.jsonl"
             if runs.exists():
-                shutil.copy(runs, dest.parent / "runs.jsonl")
+                shutil.copy(runs, dest / "runs.jsonl")
             for r in json.loads(hist.read_text()):
                 p = r.get("probation") or {}
                 if p.get("act") == "open":
