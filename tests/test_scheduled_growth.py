@@ -344,6 +344,14 @@ def test_cyclic_growth_spreads_a_resnets_blocks_as_the_sweep_does_and_copies_onl
     # the first block added to layer2 and layer3 had no block of its shape to copy: zero start, said so
     assert [g["zero"] for g in grow.growths] == [["layer2.1"], ["layer3.1"], [], []]
     assert grow.growths[0]["max_abs_change"] > 0  # layer1.1 is a copy of layer1.0: the function moved
+    # four at once: the fourth wraps round to layer1, on top of the first
+    L.seed_everything(0)
+    again = GrowOnSchedule(at=[2], blocks=4, site="cyclic", insertion="zero", verbose=False)
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3)
+    L.Trainer(max_steps=3, callbacks=[again], logger=False, enable_progress_bar=False, enable_model_summary=False,
+              enable_checkpointing=False, limit_val_batches=0, default_root_dir=tmp_path).fit(model, dm)  # fmt: skip
+    assert again.growths[0]["sites"] == ["layer1.1", "layer2.1", "layer3.1", "layer1.2"]
+    assert [len(model.network.stage(s)) for s in model.network.growable_stages] == [3, 2, 2]
     # neighbour_block never offers the transition block (other tensors) as a source
     lone = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3).network
     fresh = lone.grow("layer2.1")
