@@ -1,0 +1,77 @@
+"""The default decision's rows on the full Fashion-MNIST, with today's code (docs/results.md).
+
+The callback's default decision (block-only trials, scored on the probe alone since 2026-12-04) was
+last run on the full data when it still pooled 20,000 held-back *training* images with the probe.
+These rows rerun it as it ships, one change from ``configs/fmnist/stopping.yaml`` per row (the
+depth issue's grid: seeds, a second split, a quarter of the data, each constant halved and doubled,
+a larger probe), each with ``experiments/full_growth.sh`` into a folder of its own:
+
+    OUT=runs/default_full/NAME experiments/full_growth.sh SEED [OVERRIDES]     # one row (see ROWS)
+    python experiments/default_rows.py runs/default_full --raw docs/results/default_full
+
+Prints the table (each check's best trial: gain and lower bound; the handed-over depth and test
+loss beside the sweep's scratch network of that depth and seed) and copies each finished row to
+``--raw`` as NAME.json. A row still training is listed as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from full_results import load, path_of, trial_flops  # noqa: E402
+
+C = "--trainer.callbacks.init_args."
+# NAME: (seed, the overrides after the seed, what it changes)
+ROWS = {
+    "s0": (0, "", "none (seed 0)"),
+    "s1": (1, "", "seed 1"),
+    "s2": (2, "", "seed 2"),
+    "split1": (0, "--data.init_args.seed=1", "second split"),
+    "p25": (0, "--data.init_args.train_subset=14250", "25 % of the training images"),
+    "g05": (0, C + "min_gain=0.005", "`min_gain` 0.5 % (halved)"),
+    "g2": (0, C + "min_gain=0.02", "`min_gain` 2 % (doubled)"),
+    "s0p10k": (0, "--data.init_args.probe_size=10000", "10,000-image probe (5×)"),
+    "s1p10k": (1, "--data.init_args.probe_size=10000", "10,000-image probe (5×), seed 1"),
+    "t025": (0, C + "trial_epochs=0.25", "`trial_epochs` 0.25 (halved)"),
+    "t1": (0, C + "trial_epochs=1.0", "`trial_epochs` 1 (doubled)"),
+    "pat1": (0, C + "patience=1", "`patience` 1 (halved)"),
+    "pat4": (0, C + "patience=4", "`patience` 4 (doubled)"),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", help="the folder holding one folder per row (NAME/runs.jsonl)")
+    ap.add_argument("--sweep", default="docs/results/stopping_full/runs.jsonl", help="the scratch sweep's rows")
+    ap.add_argument("--raw", default=None, help="copy each finished row here as NAME.json")
+    a = ap.parse_args()
+    scratch = {(r["blocks"], r["seed"]): r for r in load(a.sweep) if r["key"].startswith("scratch/")}
+    print("| row | change | checks: blocks → action (best trial: gain ≥ lower bound) | blocks | test loss | "
+          "scratch at that depth (sweep, same seed) | epochs | GFLOP (trials' share) | checks' share of the wall time |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, (seed, _, what) in ROWS.items():
+        path = Path(a.runs) / name / "runs.jsonl"
+        growth = [r for r in load(path) if r["key"].startswith("growth/")] if path.exists() else []
+        if not growth:
+            state = "training or cut" if path.parent.exists() else "not run"
+            print(f"| {name} | {what} | ({state}) | | | | | | |")
+            continue
+        r = growth[-1]
+        same = scratch.get((r["blocks"], r["seed"])) if name not in ("split1", "p25", "s0p10k", "s1p10k") else None
+        total = r["flops"] + trial_flops(r)
+        ref = f"{same['test_loss']:.4f}" if same else "—"  # the sweep has split 0 with every image and a 2,000 probe
+        print(f"| {name} | {what} | {path_of(r)} | {r['blocks']} | {r['test_loss']:.4f} | {ref} | {r['epochs']} | "
+              f"{total / 1e9:,.0f} ({100 * (total - r['flops']) / total:.0f} %) | "
+              f"{100 * r['probe_s'] / r['wall_s']:.0f} % of {r['wall_s'] / 60:.0f} min |")
+        if a.raw:
+            Path(a.raw).mkdir(parents=True, exist_ok=True)
+            (Path(a.raw) / f"{name}.json").write_text(json.dumps(r, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
