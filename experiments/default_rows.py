@@ -3,7 +3,7 @@
 The callback's default decision (block-only trials, scored on the probe alone since 2026-12-04) was
 last run on the full data when it still pooled 20,000 held-back *training* images with the probe.
 These rows rerun it as it ships, one change from ``configs/fmnist/stopping.yaml`` per row (the
-depth issue's grid: seeds, a second split, a quarter of the data, each constant halved and doubled,
+grid of seeds, a second split, a quarter of the data, each constant halved and doubled,
 a larger probe), each with ``experiments/full_growth.sh`` into a folder of its own:
 
     OUT=runs/default_full/NAME experiments/full_growth.sh SEED [OVERRIDES]     # one row (see ROWS)
