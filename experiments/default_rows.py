@@ -41,6 +41,14 @@ ROWS = {
     "t1": (0, C + "trial_epochs=1.0", "`trial_epochs` 1 (doubled)"),
     "pat1": (0, C + "patience=1", "`patience` 1 (halved)"),
     "pat4": (0, C + "patience=4", "`patience` 4 (doubled)"),
+    "s2p10k": (2, "--data.init_args.probe_size=10000", "10,000-image probe (5×), seed 2"),
+    "split1p10k": (0, "--data.init_args.seed=1 --data.init_args.probe_size=10000", "10,000-image probe (5×), second split"),
+    "p25s1": (1, "--data.init_args.train_subset=14250", "25 % of the training images, seed 1"),
+    "p25s2": (2, "--data.init_args.train_subset=14250", "25 % of the training images, seed 2"),
+    "mrd025": (0, C + "min_rel_delta=0.0025", "`min_rel_delta` 0.25 % (halved)"),
+    "mrd1": (0, C + "min_rel_delta=0.01", "`min_rel_delta` 1 % (doubled)"),
+    # full_stopping.sh pins one thread: this row is the same growtrain stopping call with OMP_NUM_THREADS=2, alone
+    "s0t2": (0, "", "2 threads (seed 0, nothing else running)"),
 }
 
 
@@ -62,7 +70,7 @@ def main() -> None:
             print(f"| {name} | {what} | ({state}) | | | | | | |")
             continue
         r = growth[-1]
-        same = scratch.get((r["blocks"], r["seed"])) if name not in ("split1", "p25", "s0p10k", "s1p10k") else None
+        same = scratch.get((r["blocks"], r["seed"])) if not any(k in name for k in ("split", "p25", "p10k")) else None
         total = r["flops"] + trial_flops(r)
         ref = f"{same['test_loss']:.4f}" if same else "—"  # the sweep has split 0 with every image and a 2,000 probe
         print(f"| {name} | {what} | {path_of(r)} | {r['blocks']} | {r['test_loss']:.4f} | {ref} | {r['epochs']} | "

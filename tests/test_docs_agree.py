@@ -308,3 +308,22 @@ def test_the_readme_says_what_growth_achieves_near_the_top_in_step_with_the_resu
     assert not missing, f"README figures not in docs/results.md: {missing}"
     for claim in ("d\\*", "compute", "Table 1", "quickstart"):
         assert claim in section, claim
+
+
+def test_the_defaults_full_data_table_is_its_raw_rows():
+    """One source for the default's full-data rows: docs/results.md's table lists exactly the rows
+    in docs/results/default_full/ (NAME.json, written by experiments/default_rows.py), each with
+    that row's depth and test loss, and the README's count of them is the number of files."""
+    import json
+
+    raw = {p.stem: json.loads(p.read_text()) for p in (ROOT / "docs" / "results" / "default_full").glob("*.json")}
+    results = (ROOT / "docs" / "results.md").read_text()
+    start = results.index("### The default as it ships, on the full data")
+    section = results[start:results.index("\n### ", start + 1)]
+    table = {line.split("|")[1].strip(): line for line in section.splitlines() if re.match(r"^\| [a-z0-9]+ \| ", line) and not line.startswith("| row |")}
+    assert set(table) == set(raw) and len(raw) >= 10
+    for name, row in raw.items():
+        assert f"| {row['blocks']} | {row['test_loss']:.4f} |" in table[name], name
+    depths = sorted({row["blocks"] for row in raw.values()})
+    if depths == [3]:  # the README's claim, while it is true
+        assert f"stops at **3 blocks** (ResNet-8) in every one of {len(raw)} full-data rows" in text("README.md")
