@@ -7,6 +7,7 @@ grid of seeds, a second split, a quarter of the data, each constant halved and d
 a larger probe), each with ``experiments/full_growth.sh`` into a folder of its own:
 
     OUT=runs/default_full/NAME experiments/full_growth.sh SEED [OVERRIDES]     # one row (see ROWS)
+    python experiments/default_rows.py runs/default_full --commands      # every row's command
     python experiments/default_rows.py runs/default_full --raw docs/results/default_full
 
 Prints the table (each check's best trial: gain and lower bound; the handed-over depth and test
@@ -57,12 +58,20 @@ def main() -> None:
     ap.add_argument("runs", help="the folder holding one folder per row (NAME/runs.jsonl)")
     ap.add_argument("--sweep", default="docs/results/stopping_full/runs.jsonl", help="the scratch sweep's rows")
     ap.add_argument("--raw", default=None, help="copy each finished row here as NAME.json")
+    ap.add_argument("--commands", action="store_true", help="print the command of every row (into RUNS/NAME) and exit")
     a = ap.parse_args()
+    if a.commands:
+        for name, (seed, overrides, _) in ROWS.items():
+            if name == "s0t2":  # full_stopping.sh pins one thread
+                print(f"# {name}: full_stopping.sh's growtrain stopping call by hand, OMP_NUM_THREADS=2, nothing else running")
+                continue
+            print(f"OUT={a.runs}/{name} experiments/full_growth.sh {seed} {overrides}".rstrip())
+        return
     scratch = {(r["blocks"], r["seed"]): r for r in load(a.sweep) if r["key"].startswith("scratch/")}
     print("| row | change | checks: blocks → action (best trial: gain ≥ lower bound) | blocks | test loss | "
           "scratch at that depth (sweep, same seed) | epochs | GFLOP (trials' share) | checks' share of the wall time |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, (seed, _, what) in ROWS.items():
+    for name, (_, overrides, what) in ROWS.items():
         path = Path(a.runs) / name / "runs.jsonl"
         growth = [r for r in load(path) if r["key"].startswith("growth/")] if path.exists() else []
         if not growth:
@@ -70,9 +79,10 @@ def main() -> None:
             print(f"| {name} | {what} | ({state}) | | | | | | |")
             continue
         r = growth[-1]
-        same = scratch.get((r["blocks"], r["seed"])) if not any(k in name for k in ("split", "p25", "p10k")) else None
+        # the sweep's data: split 0, every training image, a 2,000-image probe; a --data override changes them
+        same = scratch.get((r["blocks"], r["seed"])) if "--data." not in overrides else None
         total = r["flops"] + trial_flops(r)
-        ref = f"{same['test_loss']:.4f}" if same else "—"  # the sweep has split 0 with every image and a 2,000 probe
+        ref = f"{same['test_loss']:.4f}" if same else "—"
         print(f"| {name} | {what} | {path_of(r)} | {r['blocks']} | {r['test_loss']:.4f} | {ref} | {r['epochs']} | "
               f"{total / 1e9:,.0f} ({100 * (total - r['flops']) / total:.0f} %) | "
               f"{100 * r['probe_s'] / r['wall_s']:.0f} % of {r['wall_s'] / 60:.0f} min |")
