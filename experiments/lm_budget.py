@@ -11,6 +11,11 @@ FlopCounterMode, as ComputeMeter does): a deeper network takes fewer optimizer s
   grow-late        3 blocks under WSD, once at 60 %: one after each block → 6 (Bu 2025's late growth)
   grow-late-copy   the same, each new block a copy of the one before it (G_stack's duplication)
   grow-*-wsd       an early arm under warmup-stable-decay (its scratch reference: scratch-6-wsd)
+  growto-N[-INS][-pPP]  the growth frontier: 2 blocks → N under WSD, one block on top at a time, evenly
+                   spaced so the last lands at PP % of the steps (default 40), insertion INS (default copy)
+  budget[-x][-fF][-cC][-pP][-zero]  GrowForBudget from 2 blocks on scratch-2's steps: C decisions (4) over the
+                   first P % (40), each an equal-FLOP fork over F ‰ of the budget (20), -x: on the gain carried
+                   to the budget's end, -zero: the zero insertion (default copy); it drives WSD itself
   decide           2 blocks, GrowUntilSaturated (block-only trials every 2 of 250-step epochs) on the
                    step count of scratch-4: where the decision stops at this budget
 
@@ -18,7 +23,7 @@ Each arm resumes from its last epoch checkpoint and writes OUT/row.json: the val
 (step, FLOPs, loss on 20 batches each 250-step epoch), the final validation and test loss on the whole
 splits, the growth log and the wall time.
 
-    python experiments/lm_budget.py scratch-6 --out runs/lm/scratch-6 [--seed 0] [--budget-tflop 19.2]
+    python experiments/lm_budget.py scratch-6 --out runs/lm/scratch-6 [--seed 0] [--budget-tflop 19.2] [--lr 1e-3]
 """
 
 from __future__ import annotations
@@ -56,6 +61,36 @@ def arm_spec(arm: str) -> dict:
     if base in ("grow-late", "grow-late-copy"):
         return {"start": 3, "at": [0.6], "depths": [3, 6], "schedule": "wsd", "site": "interleave", "blocks": 3,
                 "insertion": "copy" if base.endswith("copy") else "zero"}  # fmt: skip
+    if base.startswith("growto-"):  # growth frontier: 2 blocks → N, one block at a time, evenly over a phase
+        # growto-N[-INSERTION][-pPP]: the last block lands at PP % of the steps (default 40 %); under WSD
+        parts = base.split("-")
+        n, phase, insertion = int(parts[1]), 0.4, "copy"
+        for part in parts[2:]:
+            if part.startswith("p") and part[1:].isdigit():
+                phase = int(part[1:]) / 100
+            else:
+                insertion = part
+        if n <= 2:
+            raise SystemExit(f"arm: growto-N needs N > 2 (the start depth), got {arm!r}")
+        at = [round(phase * i / (n - 2), 6) for i in range(1, n - 1)]
+        return {"start": 2, "at": at, "depths": list(range(2, n + 1)), "schedule": "wsd", "site": "last",
+                "blocks": 1, "insertion": insertion}  # fmt: skip
+    if base.startswith("budget"):  # GrowForBudget: budget[-x][-fFORK‰][-cCHECKS][-pPHASE%][-zero] from 2 blocks
+        opts = {"checks": 4, "fork": 0.02, "growth_phase": 0.4, "extrapolate": False, "insertion": "copy"}
+        for part in base.split("-")[1:]:
+            if part == "x":
+                opts["extrapolate"] = True
+            elif part == "zero":
+                opts["insertion"] = "zero"
+            elif part[0] == "f":
+                opts["fork"] = int(part[1:]) / 1000
+            elif part[0] == "c":
+                opts["checks"] = int(part[1:])
+            elif part[0] == "p":
+                opts["growth_phase"] = int(part[1:]) / 100
+            else:
+                raise SystemExit(f"arm: unknown budget option {part!r} in {arm!r}")
+        return {"start": 2, "at": [], "depths": [2], "schedule": "budget", "budget": opts}
     if arm == "decide":
         return {"start": 2, "at": [], "depths": [4], "schedule": "cosine", "decide": True}
     raise SystemExit(f"arm: unknown {arm!r}")
@@ -83,6 +118,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-tflop", type=float, default=19.2)
+    ap.add_argument("--lr", type=float, default=LR, help=f"peak learning rate (default {LR})")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("THREADS", "1")))
     import lightning as L
@@ -100,13 +136,13 @@ def main() -> None:
     budget = args.budget_tflop * 1e12
     steps = steps_for(spec, budget)
     warmup = max(1, steps // 100)
-    sched = (functools.partial(WarmupCosine, warmup_steps=warmup, total_steps=steps, min_lr_ratio=0.1)
+    sched = None if spec["schedule"] == "budget" else (functools.partial(WarmupCosine, warmup_steps=warmup, total_steps=steps, min_lr_ratio=0.1)
              if spec["schedule"] == "cosine" else
              functools.partial(WarmupStableDecay, warmup_steps=warmup, total_steps=steps,
                                decay_steps=steps // 5, min_lr_ratio=0.1))  # fmt: skip
     L.seed_everything(args.seed, workers=True)
     model = LanguageModel(n_layer=spec["start"], d_model=D_MODEL, n_head=N_HEAD, block_size=BLOCK, vocab_size=256,
-                          optimizer=functools.partial(torch.optim.AdamW, lr=LR, betas=(0.9, 0.95), weight_decay=0.1),
+                          optimizer=functools.partial(torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1),
                           lr_scheduler=sched, scheduler_interval="step")  # fmt: skip
     dm = TextDataModule(tokenizer="byte", block_size=BLOCK, batch_size=BATCH, max_chars=None, probe_fraction=0.01,
                         val_fraction=0.01, test_fraction=0.01, eval_batch_size=64, seed=args.seed)  # fmt: skip
@@ -136,6 +172,11 @@ def main() -> None:
         grow = GrowOnSchedule(at=spec["at"], blocks=spec["blocks"], site=spec["site"], insertion=spec["insertion"],
                               ramp_steps=max(1, steps // 20), seed=args.seed)  # fmt: skip
         callbacks.append(grow)
+    elif spec.get("budget"):
+        from growtrain import GrowForBudget
+
+        grow = GrowForBudget(seed=args.seed, **spec["budget"])
+        callbacks.append(grow)
     elif spec.get("decide"):
         grow = GrowUntilSaturated(schedule="periodic", every_n_epochs=2, monitor=None, decision="trial",
                                   on_saturated="continue", seed=args.seed, verbose=False)  # fmt: skip
@@ -153,9 +194,11 @@ def main() -> None:
     final = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
     val = final.validate(model, dm, verbose=False)[0]["val_loss"]
     test = final.test(model, dm, verbose=False)[0]["test_loss"]
-    row = {"arm": args.arm, "seed": args.seed, "budget_flops": budget, "steps": steps, "spec": spec,
+    row = {"arm": args.arm, "seed": args.seed, "lr": args.lr, "budget_flops": budget, "steps": steps, "spec": spec,
            "depth": model.network.depth(), "flops": meter.flops, "curve": curve.rows, "val_loss": val,
            "test_loss": test, "wall_s_this_process": wall, "threads": torch.get_num_threads(),
+           "budget": ({"spent": grow.spent, "decision_flops": grow.decision_flops, "plan": grow.plan.as_dict(),
+                      "seconds": grow._seconds(), "finished": grow.finished} if spec.get("budget") else None),
            "growth": grow.growths if isinstance(grow, GrowOnSchedule) else
            (grow.history if grow is not None else None),
            "check_seconds": getattr(grow, "check_seconds", None), "fit_seconds": getattr(grow, "fit_seconds", None)}  # fmt: skip

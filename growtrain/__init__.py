@@ -4,12 +4,14 @@ The math (``measure_saturation``, growable networks) imports no Lightning; the L
 (``GrowUntilSaturated``, ``ImageClassifier``, ``LanguageModel``) load on first use.
 """
 
-from growtrain.growable import GrowableStack, Site, find_growable, grown_blocks, replay_growth
+from growtrain.families.generic import GrowableStack
+from growtrain.growable import Site, find_growable, grown_blocks, replay_growth
 from growtrain.saturation import SaturationReport, SiteRecord, measure_saturation
 
 _LAZY = {
     "GrowUntilSaturated": "growtrain.callbacks.growth",
     "GrowOnSchedule": "growtrain.callbacks.scheduled",
+    "GrowForBudget": "growtrain.callbacks.budget",
     "GrowableModuleMixin": "growtrain.module",
     "ImageClassifier": "growtrain.module",
     "LanguageModel": "growtrain.lm",

@@ -1,6 +1,7 @@
 """growtrain's Lightning callbacks, one job per module.
 
 - ``growth``: :class:`GrowUntilSaturated`, the probe-and-grow callback;
+- ``budget``: :class:`GrowForBudget`, growth early in the fit's compute budget, decided by equal-FLOP forks;
 - ``scheduled``: :class:`GrowOnSchedule`, growth at set points of the step budget (no test);
 - ``early_stopping``: :class:`TrainLossEarlyStopping`, the paper's stop on the training loss;
 - ``compute``: :class:`ComputeMeter`, batches, samples and estimated FLOPs of a fit;
@@ -9,6 +10,7 @@
 """
 
 from growtrain.callbacks._select import growth_callbacks
+from growtrain.callbacks.budget import GrowForBudget
 from growtrain.callbacks.compute import ComputeMeter, forward_flops
 from growtrain.callbacks.early_stopping import TrainLossEarlyStopping
 from growtrain.callbacks.gamma_plot import GammaTracePlot, save_gamma_trace
@@ -24,6 +26,7 @@ quiet_upstream_noise()
 __all__ = [
     "ComputeMeter",
     "GammaTracePlot",
+    "GrowForBudget",
     "GrowOnSchedule",
     "GrowUntilSaturated",
     "RandomStateCheckpoint",

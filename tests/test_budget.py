@@ -1,0 +1,213 @@
+"""GrowForBudget: the budget read from the trainer, the WSD rate over it, equal-FLOP forks, the decision.
+
+Figures are checked against independent computations: FLOPs counted by FlopCounterMode on networks
+built fresh at each depth, the rate against WSD's formula written out, adoption against the arm's
+own weights and output.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch import Callback
+from torch.utils.flop_counter import FlopCounterMode
+
+import growtrain.callbacks.budget as budget_cb
+from growtrain import GrowForBudget
+from growtrain.budget import BudgetPlan, budget_verdict, carried, plan_problem, wsd_fraction
+from growtrain.data.text import TextDataModule
+from growtrain.lm import LanguageModel
+from growtrain.models.gpt import GPT, GPTConfig
+
+WIDTH, HEADS, CTX, BATCH = 16, 2, 16, 8
+
+
+def _lm(depth: int = 1, lr: float = 3e-3, scheduler=None) -> LanguageModel:
+    return LanguageModel(n_layer=depth, d_model=WIDTH, n_head=HEADS, block_size=CTX, vocab_size=256,
+                         optimizer=functools.partial(torch.optim.AdamW, lr=lr), lr_scheduler=scheduler)  # fmt: skip
+
+
+def _data() -> TextDataModule:
+    return TextDataModule(tokenizer="byte", max_chars=20000, block_size=CTX, batch_size=BATCH, eval_batch_size=32,
+                          probe_fraction=0.1, val_fraction=0.05, test_fraction=0.05, seed=0)  # fmt: skip
+
+
+def _fit(cb, steps: int, quiet_trainer_kwargs, model=None, extra=()):
+    L.seed_everything(0)
+    model = model or _lm()
+    trainer = L.Trainer(max_steps=steps, callbacks=[cb, *extra], limit_val_batches=0, **quiet_trainer_kwargs)
+    trainer.fit(model, _data())
+    return trainer, model
+
+
+def _step_flops(depth: int) -> float:
+    """Training FLOPs of one batch at this depth, counted on a freshly built network (independent of the callback)."""
+    net = GPT(GPTConfig(n_layer=depth, d_model=WIDTH, n_head=HEADS, block_size=CTX, vocab_size=256))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        net(torch.zeros(1, CTX, dtype=torch.long))
+    return 3.0 * BATCH * counter.get_total_flops()
+
+
+# -- pure parts -------------------------------------------------------------------------------
+def test_wsd_fraction_written_out():
+    kw = dict(warmup=0.1, decay=0.2, min_lr_ratio=0.1)
+    assert wsd_fraction(0.05, **kw) == pytest.approx(0.5)  # halfway through the warmup
+    assert wsd_fraction(0.1, **kw) == 1.0 and wsd_fraction(0.5, **kw) == 1.0 and wsd_fraction(0.8, **kw) == 1.0
+    assert wsd_fraction(0.9, **kw) == pytest.approx(1 - 0.9 * 0.5)  # halfway down from 1 to 0.1
+    assert wsd_fraction(1.0, **kw) == pytest.approx(0.1) and wsd_fraction(1.7, **kw) == pytest.approx(0.1)
+    assert 0 < wsd_fraction(0.0, **kw) < 0.01  # never a step at rate exactly 0
+
+
+def test_plan_points_and_problems():
+    plan = BudgetPlan(total_flops=1e12, steps=1000, growth_phase=0.4, checks=4, fork=0.02, decay=0.2, warmup=0.01,
+                      min_lr_ratio=0.1)  # fmt: skip
+    assert plan.points == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    assert plan.point_flops(2) == pytest.approx(0.3e12) and plan.fork_flops == pytest.approx(0.02e12)
+    kw = dict(growth_phase=0.4, checks=4, fork=0.02, decay=0.2, warmup=0.01, min_fork_steps=20)
+    assert plan_problem(1000, **kw) is None
+    short = plan_problem(999, **kw)  # 19 steps a fork
+    assert "too short" in short and "1000 steps" in short
+    assert "before the decay" in plan_problem(10**6, **{**kw, "growth_phase": 0.79})
+    assert "warmup" in plan_problem(10**6, **{**kw, "warmup": 0.2})
+    with pytest.raises(ValueError, match="budget"):
+        BudgetPlan(total_flops=float("inf"), steps=1, growth_phase=0.4, checks=1, fork=0.1, decay=0.2, warmup=0.0,
+                   min_lr_ratio=0.1)  # fmt: skip
+
+
+def test_carried_gain_is_the_log_linear_extrapolation():
+    final, half = torch.tensor([2.0, 3.0]), torch.tensor([2.5, 3.0])
+    # 3 doublings past the final score, the loss keeps falling 0.5 per doubling for sample 0
+    assert torch.allclose(carried(final, half, 3.0), torch.tensor([0.5, 3.0]))
+    assert torch.allclose(carried(final, half, 0.0), final)
+
+
+def test_verdict_grows_only_on_a_lower_bound_above_the_margin():
+    assert budget_verdict(0.011, 0.03, 0.01) == (True, False)
+    assert budget_verdict(0.009, 0.03, 0.01) == (False, False)  # not certified either way
+    assert budget_verdict(-0.02, 0.005, 0.01) == (False, True)  # certified not to pay
+    assert budget_verdict(float("nan"), float("nan"), 0.0) == (False, False)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"fork": 0.0}, "fork: expected a fraction"), ({"checks": 0}, "checks: expected an integer"),
+    ({"insertion": "mask"}, "insertion: expected one of"), ({"min_gain": -0.1}, "min_gain: expected"),
+    ({"growth_phase": 0.7, "fork": 0.2}, "before the decay"),
+])  # fmt: skip
+def test_bad_options_refused_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GrowForBudget(**kwargs)
+
+
+# -- refusals before training ----------------------------------------------------------------------
+def test_too_short_fit_says_so_before_training(quiet_trainer_kwargs):
+    model = _lm()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="too short to decide anything.*at least 1000 steps"):
+        _fit(GrowForBudget(fork=0.02), 200, quiet_trainer_kwargs, model=model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # not one step trained
+
+
+def test_own_scheduler_refused_before_training(quiet_trainer_kwargs):
+    sched = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10)
+    with pytest.raises(ValueError, match="configure_optimizers: GrowForBudget drives the learning rate"):
+        _fit(GrowForBudget(fork=0.1), 400, quiet_trainer_kwargs, model=_lm(scheduler=sched))
+
+
+# -- one fit ----------------------------------------------------------------------------------------
+class _Rates(Callback):
+    def __init__(self):
+        self.lrs = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.lrs.append(float(optimizer.param_groups[0]["lr"]))
+
+
+def test_budget_fit_equal_flop_fork_rate_and_end(quiet_trainer_kwargs):
+    rates = _Rates()
+    cb = GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, warmup=0.05, decay=0.2, min_lr_ratio=0.1)
+    trainer, model = _fit(cb, 400, quiet_trainer_kwargs, extra=[rates])
+    (record,) = cb.history  # one decision (grown or not, the phase ends after it)
+    # equal FLOPs, counted independently: the run's steps at depth 1 against the arm's at depth 2
+    run, arm = record["run_steps"] * _step_flops(1), record["arm_steps"] * _step_flops(2)
+    assert abs(run - arm) <= _step_flops(2) and record["arm_steps"] < record["run_steps"]
+    assert record["run_steps"] == round(0.1 * 400 * _step_flops(1) / _step_flops(1))
+    # the budget: 400 steps at the start depth; the fork's arm and its scoring come out of it
+    assert cb.plan.total_flops == pytest.approx(400 * _step_flops(1))
+    assert cb.spent >= cb.plan.total_flops and trainer.global_step < 400
+    per_probe = _step_flops(1) / (3 * BATCH)  # one probe sequence's forward at depth 1
+    n_probe = record["n"]
+    scoring = 2 * n_probe * (per_probe + _step_flops(2) / (3 * BATCH))  # halfway and final, both sides
+    assert cb.decision_flops == pytest.approx(record["arm_steps"] * _step_flops(2) + scoring, rel=1e-6)
+    # the rate: WSD of the budget's progress; the peak on the stable part, annealed at the end
+    assert max(rates.lrs) == pytest.approx(3e-3)
+    assert rates.lrs[0] < 0.1 * 3e-3
+    assert rates.lrs[-1] == pytest.approx(3e-3 * 0.1, rel=0.05)
+    assert "budget" in record["reason"] or record["action"] in ("grow", "stop")
+
+
+def test_growth_adopts_the_arm(quiet_trainer_kwargs, monkeypatch):
+    """Forced to grow: the run's network afterwards is the arm's (weights, output, optimizer state)."""
+    seen = {}
+    real_adopt = budget_cb.adopt
+
+    def spy(network, optimizer, arm, arm_opt):
+        seen["arm"] = {k: v.detach().clone() for k, v in arm.state_dict().items() if torch.is_tensor(v)}
+        x = torch.arange(CTX).unsqueeze(0) % 256
+        seen["x"], seen["arm_out"] = x, arm.eval()(x).detach().clone()
+        arm.train()
+        seen["arm_state"] = {n: {k: v.clone() for k, v in arm_opt.state[p].items()}
+                             for n, p in arm.named_parameters() if p in arm_opt.state}  # fmt: skip
+        copied = real_adopt(network, optimizer, arm, arm_opt)
+        seen["net"] = {k: v.detach().clone() for k, v in network.state_dict().items() if torch.is_tensor(v)}
+        seen["net_out"] = network.eval()(x).detach().clone()
+        network.train()
+        seen["net_state"] = {n: {k: v.clone() for k, v in optimizer.state[p].items()}
+                             for n, p in network.named_parameters() if p in optimizer.state}  # fmt: skip
+        return copied
+
+    monkeypatch.setattr(budget_cb, "adopt", spy)
+    monkeypatch.setattr(budget_cb, "budget_verdict", lambda lower, upper, margin: (True, False))
+    cb = GrowForBudget(checks=2, growth_phase=0.4, fork=0.1, insertion="copy")
+    trainer, model = _fit(cb, 400, quiet_trainer_kwargs)
+    assert [h["action"] for h in cb.history] == ["grow", "grow"] and model.network.depth() == 3
+    assert set(seen["arm"]) <= set(seen["net"])
+    assert all(torch.equal(seen["arm"][k], seen["net"][k]) for k in seen["arm"])
+    torch.testing.assert_close(seen["net_out"], seen["arm_out"])
+    assert seen["net_state"].keys() == seen["arm_state"].keys()
+    for name in seen["arm_state"]:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(seen["net_state"][name][key], seen["arm_state"][name][key])
+    assert cb.finished == "phase"
+
+
+def test_copy_insertion_copies_the_block_below(quiet_trainer_kwargs, monkeypatch):
+    """The arm's new block starts as the block below it (G_stack); with zero, its terminal map is zero."""
+    made = []
+    real = budget_cb.GrowForBudget._build
+
+    def spy(self, trainer, pl_module, sites, seed):
+        real(self, trainer, pl_module, sites, seed)
+        blocks = self.arm.stage("h")
+        made.append({k: (v.clone(), blocks[-2].state_dict()[k].clone()) for k, v in blocks[-1].state_dict().items()})
+
+    monkeypatch.setattr(budget_cb.GrowForBudget, "_build", spy)
+    _fit(GrowForBudget(checks=1, growth_phase=0.2, fork=0.1, insertion="copy"), 400, quiet_trainer_kwargs)
+    assert made and all(torch.equal(new, below) for new, below in made[0].values())
+    made.clear()
+    _fit(GrowForBudget(checks=1, growth_phase=0.2, fork=0.1, insertion="zero"), 400, quiet_trainer_kwargs)
+    assert not all(torch.equal(new, below) for new, below in made[0].values())
+
+
+def test_a_stop_ends_growth_and_says_what_was_certified(quiet_trainer_kwargs, monkeypatch):
+    monkeypatch.setattr(budget_cb, "budget_verdict", lambda lower, upper, margin: (False, True))
+    cb = GrowForBudget(checks=3, growth_phase=0.4, fork=0.05)
+    _fit(cb, 600, quiet_trainer_kwargs)
+    (record,) = cb.history  # no decision after the one that stopped growth
+    assert record["action"] == "stop" and cb.finished == "decision"
+    assert record["reason"].startswith("growth ended at 1 blocks: one more block was certified not to pay for its compute")
+    assert "equal FLOPs" in record["reason"] and "saturat" not in record["reason"]
+    assert math.isfinite(record["far_gain_frac"]) and math.isfinite(record["half_gain_frac"])
