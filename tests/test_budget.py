@@ -88,6 +88,7 @@ def test_carried_gain_is_the_log_linear_extrapolation():
 def test_verdict_grows_only_on_a_lower_bound_above_the_margin():
     assert budget_verdict(0.011, 0.03, 0.01) == (True, False)
     assert budget_verdict(0.009, 0.03, 0.01) == (False, False)  # not certified either way
+    assert budget_verdict(0.01, 0.03, 0.01) == (False, False)  # at the margin is not above it
     assert budget_verdict(-0.02, 0.005, 0.01) == (False, True)  # certified not to pay
     assert budget_verdict(float("nan"), float("nan"), 0.0) == (False, False)
 
@@ -211,3 +212,17 @@ def test_a_stop_ends_growth_and_says_what_was_certified(quiet_trainer_kwargs, mo
     assert record["reason"].startswith("growth ended at 1 blocks: one more block was certified not to pay for its compute")
     assert "equal FLOPs" in record["reason"] and "saturat" not in record["reason"]
     assert math.isfinite(record["far_gain_frac"]) and math.isfinite(record["half_gain_frac"])
+
+
+@pytest.mark.parametrize("extrapolate", [False, True])
+def test_the_decision_judges_the_gain_it_was_asked_to(quiet_trainer_kwargs, monkeypatch, extrapolate):
+    """extrapolate=True decides on the gain carried to the budget's end, else on the fork's own."""
+    judged = []
+    real = budget_cb.budget_verdict
+    monkeypatch.setattr(budget_cb, "budget_verdict", lambda lo, up, margin: judged.append((lo, up)) or real(lo, up, margin))
+    cb = GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, extrapolate=extrapolate)
+    _fit(cb, 400, quiet_trainer_kwargs)
+    (record,) = cb.history
+    key = "far_" if extrapolate else ""
+    assert judged == [(record[key + "lower_frac"], record[key + "upper_frac"])]
+    assert record["far_lower_frac"] != record["lower_frac"]
