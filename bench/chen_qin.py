@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from growtrain.crossfit import _check_delta, _check_level, normal_quantile  # noqa: E402
+from growtrain.crossfit import check_delta, check_level, normal_quantile  # noqa: E402
 
 __all__ = ["debiased_norm_sq", "trace_sq_estimate", "chen_qin_z", "chen_qin_test", "ChenQin", "TRACE_METHODS"]
 
@@ -114,7 +114,7 @@ def chen_qin_z(
     dimension (and on average by convexity), which errs on the conservative side. For
     ``δ = 0`` it is Chen & Qin's statistic.
     """
-    delta = _check_delta(delta)
+    delta = check_delta(delta)
     var = 2.0 * torch.as_tensor(trace_sq, dtype=torch.float64).clamp_min(0) / (n * (n - 1))
     if delta > 0:
         if lam_max is None:
@@ -141,8 +141,8 @@ def chen_qin_test(
     Rejects (grow) when ``z = (T − δ²)/sd > z_{1−α}`` (normal approximation, valid as
     ``n, p → ∞`` under Chen & Qin's conditions). Per site at level ``α/K`` for ``K`` sites.
     """
-    alpha = _check_level(alpha, "alpha")
-    delta = _check_delta(delta)
+    alpha = check_level(alpha, "alpha")
+    delta = check_delta(delta)
     n = xi.shape[-2]
     statistic = debiased_norm_sq(xi)
     trace_sq = trace_sq_estimate(xi, trace, block)

@@ -36,7 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from growtrain.data import ImageDataModule
+from growtrain.data import ImageDataModule, load_images
 from growtrain.module import ImageClassifier
 
 
@@ -44,7 +44,7 @@ def load_split(root: str, seed: int, probe: int, val: int, holdout: int, train_s
     dm = ImageDataModule(dataset="fashion-mnist", root=root, probe_size=probe, val_size=val, seed=seed,
                          batch_size=128, train_subset=train_subset)
     dm.setup()
-    data = dm._loaded()
+    data = load_images(dm.dataset, root)  # the official splits the datamodule's indices point into
     mean = torch.tensor(dm.mean).view(1, -1, 1, 1)
     std = torch.tensor(dm.std).view(1, -1, 1, 1)
 

@@ -8,8 +8,8 @@ the same batches (``SITE`` may name one site per stage, comma-separated: decisio
 arm). At the end of every epoch after that, a copy of the run and of each arm is
 annealed for ``A`` steps (the rate cosine from the run's to 0, each side with a copy of its own
 optimizer state, on the same ``A`` training batches for every side) and scored on the
-2,000-image probe. Printed per epoch: each arm's gain over the run at the constant rate (what
-decision="fork" scored) and after the anneal, in % of the run's loss, with the paired se.
+2,000-image probe. Printed per epoch: each arm's gain over the run at the constant rate and
+after the anneal, in % of the run's loss, with the paired se.
 
     PYTHONPATH=. python experiments/fork_anneal.py 3 layer2.1 8 111 1 2 3
     PYTHONPATH=. python experiments/fork_anneal.py 3 layer1.0,layer2.1,layer3.1 10 111 1   # a stage fork's arm

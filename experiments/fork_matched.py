@@ -1,5 +1,5 @@
-"""Scratch given a fork growth run's compute (decision="fork"): its ground truth, as
-experiments/periodic_matched.py is the window's, with the arms' compute counted.
+"""Scratch given a stage-fork growth run's compute (experiments/fork_full.sh): its ground truth, as
+experiments/periodic_matched.py gives it for a periodic run, with the arms' compute counted.
 
 A fork run's compute is its training FLOPs (the stopping row's ``flops``), its probe passes (one
 forward and backward over the probe per check, as periodic_matched counts them), and what the

@@ -3,9 +3,9 @@
 Full Fashion-MNIST, seed 0 (the growth runs' data and optimizer: SGD 0.05, momentum 0.9, weight
 decay 5e-4, batch 128). The run trains ``E0`` epochs; then forks open at the same moment at one
 site, one arm per block seed (growtrain.fork.make_arm; the block's rate ramped over the first half
-of the horizon as decision="fork" does); all train ``H`` epochs on the same batches. Printed: each
-arm's gain over the run on the 2,000-image probe (% of the run's loss), averaged over the fork's
-five scoring points (1/2, 5/8, 3/4, 7/8 of the horizon and its end), with the bootstrap-free
+of the horizon, growtrain.fork.warmup); all train ``H`` epochs on the same batches. Printed: each
+arm's gain over the run on the 2,000-image probe (% of the run's loss), averaged over five
+scoring points (1/2, 5/8, 3/4, 7/8 of the horizon and its end), with the bootstrap-free
 standard error of the paired mean; the spread *between* arms that differ only in the block's
 random initialisation is the noise of one fork's verdict that the per-sample bounds do not see.
 

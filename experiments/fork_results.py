@@ -1,4 +1,4 @@
-"""The paired fork's rows (decision="fork") as the markdown table of docs/results.md, and the raw
+"""The stage fork's rows (decision="stage_fork") as the markdown table of docs/results.md, and the raw
 rows copied to docs/results/fork/. Trains nothing.
 
     python experiments/fork_results.py runs/fork_k2 runs/fork_k4 runs/fork_k8 [--sweep-gflop 186974]

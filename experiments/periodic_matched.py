@@ -1,9 +1,9 @@
 """Scratch given a growth run's compute: the ground truth of the periodic protocol's study.
 
-For each growth row of a periodic run (``runs.jsonl`` of the removed experiments/periodic_full.sh, in git history), two
-scratch arms are trained with the product's own code path (``growtrain stopping`` with
-``max_growths=0`` under the periodic schedule: the constant rate, then the same final anneal of
-``anneal_epochs``, reserved inside ``max_epochs``):
+For each growth row of a periodic run (the ``runs.jsonl`` of ``growtrain stopping``, e.g. of
+experiments/fork_full.sh), two scratch arms are trained with the product's own code path
+(``growtrain stopping`` with ``max_growths=0`` under the periodic schedule: the constant rate, then
+the same final anneal of ``anneal_epochs``, reserved inside ``max_epochs``):
 
 * the architecture growth found (its stage sizes), and
 * the sweep's best depth d* (``--dstar``, stage sizes as the sweep assigns them),

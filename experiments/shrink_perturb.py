@@ -5,7 +5,7 @@ anneal begins: every parameter θ ← λ·θ + σ·ε, ε ~ N(0, 1).
 A control, not a product option: the periodic protocol's grown network trained as well as
 scratch at the same architecture and compute but generalised worse (docs/results.md, "Grow while
 training"), the gap warm-started networks show. Used from a config's callbacks list, with the
-repository root on PYTHONPATH (the removed experiments/periodic_full.sh passed it through $EXTRA; in git history):
+repository root on PYTHONPATH:
 
     --trainer.callbacks+=experiments.shrink_perturb.ShrinkPerturbAtFinal
 """

@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+import torch
+
 __all__ = ["BudgetPlan", "wsd_fraction", "fork_steps", "plan_problem", "carried", "budget_verdict"]
 
 
@@ -109,7 +111,7 @@ def plan_problem(steps: int, *, growth_phase: float, checks: int, fork: float, d
     return None
 
 
-def carried(final: "torch.Tensor", half: "torch.Tensor", m: float) -> "torch.Tensor":
+def carried(final: torch.Tensor, half: torch.Tensor, m: float) -> torch.Tensor:
     """Per-sample losses carried on linearly in log FLOPs from a side's halfway (``half``) and final
     (``final``) scores to ``m`` doublings past the final: ``final + m · (final − half)``. A paired gain
     of two carried sides is then the fork's gain carried to that horizon, sample by sample."""

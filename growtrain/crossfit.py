@@ -85,6 +85,8 @@ from growtrain.batches import batch_size
 __all__ = [
     "BOUNDS",
     "SCHEMES",
+    "check_level",
+    "check_delta",
     "normal_quantile",
     "cantelli_factor",
     "crossfit_lower_bound",
@@ -99,7 +101,8 @@ SCHEMES = ("geometric", "inverse_square", "constant")
 
 
 # -- argument checks -------------------------------------------------------------------------
-def _check_level(value, name: str) -> float:
+def check_level(value, name: str) -> float:
+    """``value`` as a float if it is a probability in ``(0, 1)``; a ``ValueError`` naming ``name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < 1):
         raise ValueError(f"{name}: expected a probability in (0, 1), e.g. 0.05, got {value!r}")
     return float(value)
@@ -111,7 +114,8 @@ def _check_bound(bound) -> str:
     return bound
 
 
-def _check_delta(delta) -> float:
+def check_delta(delta) -> float:
+    """``delta`` (a margin on a gradient norm) as a float if it is finite and ``≥ 0``; a ``ValueError`` otherwise."""
     if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not math.isfinite(delta) or delta < 0:
         raise ValueError(f"delta: expected a finite number ≥ 0, got {delta!r}")
     return float(delta)
@@ -120,7 +124,7 @@ def _check_delta(delta) -> float:
 # -- the cross-fit lower bound ---------------------------------------------------------------
 def normal_quantile(p: float) -> float:
     """``z_p = Φ^{-1}(p)`` of the standard normal."""
-    return statistics.NormalDist().inv_cdf(_check_level(p, "p"))
+    return statistics.NormalDist().inv_cdf(check_level(p, "p"))
 
 
 def cantelli_factor(a: float, m: int) -> float:
@@ -129,7 +133,7 @@ def cantelli_factor(a: float, m: int) -> float:
     ``P(s̄ − μ ≥ λ) ≤ σ²/(σ² + mλ²)``; setting the right side to ``a`` gives
     ``λ = σ · sqrt((1 − a)/(a m))``.
     """
-    a = _check_level(a, "a")
+    a = check_level(a, "a")
     if int(m) < 1:
         raise ValueError(f"m: expected a sample count ≥ 1, got {m!r}")
     return math.sqrt((1.0 - a) / (a * int(m)))
@@ -150,7 +154,7 @@ def crossfit_lower_bound(s: torch.Tensor, level: float, bound: str = "normal"):
     ``bound="normal"``: ``s̄ − z_{1−level} · sd/√m``;
     ``"cantelli"``: ``s̄ − sd · sqrt((1−level)/(level·m))``.
     """
-    level = _check_level(level, "level")
+    level = check_level(level, "level")
     bound = _check_bound(bound)
     if not isinstance(s, torch.Tensor) or s.dim() == 0:
         raise TypeError(f"s: expected a tensor of per-sample scalars with shape (..., m), got {type(s).__name__}")
@@ -190,7 +194,7 @@ def alpha_schedule(alpha: float, k: int, scheme: str = "geometric") -> float:
     ≤ α over all checks); ``"constant"``: ``α`` (see the module docstring for when that is
     enough).
     """
-    alpha = _check_level(alpha, "alpha")
+    alpha = check_level(alpha, "alpha")
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"k: expected the check index, an int ≥ 0, got {k!r}")
     if scheme == "geometric":
@@ -277,7 +281,7 @@ class CrossFitState:
     ) -> "CrossFitState":
         """State sized from the loader (or the ``n`` hint); checks ``bound`` and ``alpha`` early."""
         if alpha is not None:
-            _check_level(alpha, "alpha")
+            check_level(alpha, "alpha")
         _check_bound(bound)
         return cls(probe_size(loader, n), K, sync_fn=sync_fn, bound=bound)
 
@@ -332,7 +336,7 @@ class CrossFitState:
 
         With ``sync_fn`` it all-reduces (twice, in the same order on every rank).
         """
-        alpha = _check_level(alpha, "alpha")
+        alpha = check_level(alpha, "alpha")
         level = alpha / self.K
         if not all(self._done_a):
             raise ValueError(

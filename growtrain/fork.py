@@ -4,7 +4,8 @@ Pure functions (no Lightning). At a check the run forks: an *arm* is a copy of t
 fresh zero-output block at one site (function-preserving) and a copy of the run's optimizer (the
 old parameters keep their state, matched by identity through the copy; the block's parameters
 start with zero state, in the groups growth would give them). Until the next check the arm takes
-one step on every batch the run trains on, at the run's own learning rate at that step; the run
+one step on every batch the run trains on, on the run's own objective (the module's
+``training_step``), at the run's own learning rate at that step; the run
 itself is the *control*: the same network, the same batches, the same steps, without the block.
 At the next check both are scored on the held-out probe (samples neither trained on) and each
 sample's loss is paired: the block is worth ``mean(control − arm)``.

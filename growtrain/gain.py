@@ -1,8 +1,9 @@
-"""The realized-gain certificate: did the last growth lower the probe loss by more than ``min_gain``?
+"""The paired gain certificate: does one network lower the probe loss of another by more than ``min_gain``?
 
-Pure tensor functions (no Lightning). The question is one-sided and paired: with ``b_i`` the
-loss of probe sample ``i`` when the network last grew and ``a_i`` its loss now, the growth paid
-iff ``E[b − a] > g·E[b]`` (``g = min_gain``), i.e. iff the mean of
+Pure tensor functions (no Lightning), the bound the block-only trial (``growtrain.trial``) and the
+stage fork (``growtrain.fork``, through the trial's ``trial_test``) certify with. The question is
+one-sided and paired: with ``b_i`` the loss of probe sample ``i`` without the new block(s) and ``a_i``
+its loss with them, the block(s) paid iff ``E[b − a] > g·E[b]`` (``g = min_gain``), i.e. iff the mean of
 
     e_i = (1 − g)·b_i − a_i                                              (one number per sample)
 
@@ -12,17 +13,16 @@ times the *sample* mean of ``b``) keeps the margin's own sampling noise inside t
 Why not the normal bound ``ē − z·se``: per-sample cross-entropy differences are strongly
 skewed (sample skewness −5 … +12 on real fits: a few samples flip class and move by several
 nats while most move by hundredths). Under a left-skewed null the normal bound said "paid" at
-twice its level (docs/decision.md, "The gain certificate's level"). The default is the
+twice its level (docs/decision.md, "The gain certificate: pairing, level, and what it guarantees"). The default is the
 **bootstrap-t** lower bound (Efron & Tibshirani 1993, §12.5; Hall 1992, §3.10): the
 studentized mean's own sampling distribution, read off resamples of ``e``, replaces the
 normal quantile, which corrects the skewness term of the one-sided coverage error (O(n^-1/2)
 → O(n^-1)). The resamples come from a generator seeded by the caller, so every rank and a
 resumed run compute the same bound from the same losses.
 
-Pairing: ``b`` and ``a`` must be the same samples in the same order. :func:`sample_signatures`
-fingerprints each probe sample's content (inputs and targets, including their layout), and
-:func:`signature_mismatch` says where two fingerprints disagree, so a probe that changed
-(another sample, a shuffled loader) is refused instead of silently pairing strangers.
+Pairing: ``b`` and ``a`` must be the same samples in the same order (both sides score one probe
+pass's loader, which may not shuffle). :func:`sample_signatures` fingerprints each probe sample's
+content (inputs and targets, including their layout).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["GAIN_METHODS", "gain_terms", "gain_lower_bound", "gain_test", "sample_signatures", "signature_mismatch"]
+__all__ = ["GAIN_METHODS", "gain_terms", "gain_lower_bound", "gain_test", "sample_signatures"]
 
 GainMethod = Literal["bootstrap_t", "normal"]
 # "normal" is the plain CLT bound, kept as the reference the level study measures against.
@@ -96,7 +96,7 @@ def gain_lower_bound(e: torch.Tensor, level: float, *, method: GainMethod = "boo
 
 def gain_test(before: torch.Tensor, after: torch.Tensor, *, min_gain: float, level: float,
               method: GainMethod = "bootstrap_t", seed: int = 0) -> dict[str, Any]:  # fmt: skip
-    """Did the last growth pay? The figures a verdict needs, as plain numbers.
+    """Did the block(s) pay? The figures a verdict needs, as plain numbers.
 
     Returns ``paid`` (the lower bound on ``E[b − a] − g·E[b]`` is > 0, strictly), ``mean`` (mean
     per-sample gain ``b − a``), ``se`` (its standard error), ``lower`` (the certified lower
@@ -144,18 +144,3 @@ def sample_signatures(batch: Any) -> torch.Tensor:
         weights = 1.0 + 0.5 * torch.cos(0.7 * j + 1.3 * (k + 1))  # in [0.5, 1.5]: no cancellation to 0
         out += flat @ weights
     return out
-
-
-def signature_mismatch(stored: torch.Tensor, now: torch.Tensor, rtol: float = 1e-6) -> str | None:
-    """``None`` when the two fingerprints are the same samples in the same order; else what differs."""
-    stored, now = stored.double(), now.double()
-    if stored.shape != now.shape:
-        return f"the probe had {stored.numel()} samples at the reference check and has {now.numel()} now"
-    scale = torch.maximum(stored.abs(), now.abs()).clamp_min(1.0)
-    differ = ((stored - now).abs() > rtol * scale).nonzero().flatten()
-    if differ.numel() == 0:
-        return None
-    same_set = torch.allclose(torch.sort(stored).values, torch.sort(now).values, rtol=rtol, atol=rtol)
-    kind = "the same samples in another order" if same_set else "other samples (content differs)"
-    return (f"{differ.numel()} of {now.numel()} probe samples differ from the reference check's, first at position "
-            f"{int(differ[0])}: {kind}")  # fmt: skip

@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from growtrain.masks import load_masks
+
 __all__ = [
     "Site",
     "GrowableMixin",
-    "GrowableStack",
     "replay_growth",
     "grown_blocks",
     "find_growable",
@@ -194,10 +195,19 @@ class GrowableMixin:
     # so a freshly built (ungrown) network handed a grown one's state dict inserts the recorded
     # blocks here, and load_state_dict then fills them: torch.load + load_state_dict,
     # load_from_checkpoint and a resumed fit rebuild the grown network with no module mixin.
-    def get_extra_state(self) -> str:
-        # one JSON string, not a nested dict: a distributed checkpoint (FSDP2) flattens nested
-        # containers into keys of their own, which an ungrown network's state dict would lack
-        return json.dumps({"growth": [dict(r) for r in self.growth_log]})
+    def get_extra_state(self) -> torch.Tensor | str:
+        # One JSON record, not a nested dict: a distributed checkpoint (FSDP2) flattens nested
+        # containers into keys of their own, which an ungrown network's state dict would lack.
+        text = json.dumps({"growth": [dict(r) for r in self.growth_log]})
+        if _sharded(self):
+            # torch.distributed.checkpoint loads a tensor in place, into one of the length this network's
+            # record has now: an ungrown network could not read a grown one's longer record at all, and the
+            # load below could not say why. A string it loads whole, at any length.
+            return text
+        # Its UTF-8 bytes as a uint8 tensor: a state dict of tensors only, which safetensors (and so
+        # Hugging Face) and every tensor-only tool require. On the CPU whatever the network's device:
+        # it is data read on the host (a meta-device network would hold no bytes), not a network tensor.
+        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
 
     def set_extra_state(self, state: Any) -> None:
         _growth_records(state)  # validated; the blocks were inserted in _load_from_state_dict
@@ -221,6 +231,8 @@ class GrowableMixin:
                         "trainer's callbacks (it grows the model to the checkpoint's depth before the shards load), "
                         "or grow the network with growtrain.replay_growth before sharding it."
                     )
+
+        load_masks(self, state_dict, prefix)  # a block saved mid-ramp gets its mask before its tensors load
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)  # fmt: skip
         if state is None and prefix + "_extra_state" in missing_keys:
@@ -364,15 +376,33 @@ class GrowableMixin:
 
 
 def _growth_records(state: Any) -> list[dict]:
-    """The records of a growable network's extra state (JSON of ``{"growth": [...]}``), checked."""
+    """The records of a growable network's extra state, checked: the JSON of ``{"growth": [...]}`` as
+    its UTF-8 bytes in a 1-D uint8 tensor (``get_extra_state``), or as a string (what an FSDP2-sharded
+    network writes, and what checkpoints held before the tensor form)."""
+    text = None
+    if isinstance(state, str):
+        text = state
+    elif isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.dim() == 1 and not state.is_meta:
+        try:
+            text = bytes(state.cpu().tolist()).decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
     try:
-        records = json.loads(state).get("growth") if isinstance(state, str) else None
+        records = json.loads(text).get("growth") if text is not None else None
     except (ValueError, AttributeError):
         records = None
     if not isinstance(records, list):
+        if isinstance(state, torch.Tensor):  # not its repr: a corrupted record can be long
+            given = f"a tensor of dtype {state.dtype} and shape {tuple(state.shape)} on {state.device}"
+            if text is not None:
+                given += f" holding {text[:200]!r}"
+        else:
+            given = repr(state)[:300]
         raise ValueError(
-            f"state_dict: a growable network's extra state must be the JSON of {{'growth': [records]}}, got {state!r}. "
-            "The checkpoint was not written by a growtrain network or is corrupted; nothing was loaded."
+            f"state_dict: a growable network's extra state must be the JSON of {{'growth': [records]}}, as UTF-8 "
+            f"bytes in a 1-D uint8 tensor (or as a string), got {given}. The checkpoint was not written by a growtrain "
+            "network or is corrupted (a dtype conversion of the whole state dict corrupts it too: convert only the "
+            "floating-point tensors); nothing was loaded."
         )
     return records
 
@@ -499,53 +529,3 @@ def probe_loss_for(module: nn.Module, loss_fn: Callable | None = None) -> Callab
         return loss_fn
     probe_loss = getattr(module, "probe_loss", None)
     return probe_loss if callable(probe_loss) else F.cross_entropy
-
-
-class GrowableStack(GrowableMixin, nn.Module):
-    """Make a user's own stack of residual blocks growable.
-
-    ``blocks`` is an ``nn.ModuleList``/``nn.Sequential`` of blocks whose input and output
-    shapes agree; ``factory()`` builds a fresh block; ``terminal`` names the parameters of the
-    terminal map inside a block (e.g. ``("fc2.weight", "fc2.bias")``). New blocks are wrapped
-    in :class:`growtrain.families.generic.ResidualAdapter` only to expose
-    ``terminal_parameters()``/``zero_init_last()``; they compute exactly ``factory()``'s block.
-
-    ``GrowableStack(blocks, factory, terminal)(x)`` runs the blocks in order; use it in place
-    of your ``nn.Sequential``.
-    """
-
-    growable_stages = ("blocks",)
-
-    def __init__(self, blocks: Iterable[nn.Module], factory: Callable[[], nn.Module], terminal: Sequence[str]):
-        super().__init__()
-        from growtrain.families.generic import ResidualAdapter
-
-        if not callable(factory):
-            raise TypeError(f"factory: expected a callable returning a block, got {type(factory).__name__}")
-        terminal = tuple(terminal)
-        if not terminal:
-            raise ValueError("terminal: name at least one parameter of the block's terminal map, e.g. ('fc2.weight',)")
-        probe = factory()
-        names = dict(probe.named_parameters())
-        missing = [t for t in terminal if t not in names]
-        if missing:
-            raise ValueError(
-                f"terminal: {missing} are not parameters of factory()'s block; its parameters are {sorted(names)}"
-            )
-        self.factory = factory
-        self.terminal = terminal
-        self.blocks = nn.ModuleList(
-            b if hasattr(b, "terminal_parameters") else ResidualAdapter(b, terminal) for b in blocks
-        )
-        self._adapter = ResidualAdapter
-        self._init_growth()
-
-    def make_block(self, stage: str) -> nn.Module:
-        block = self._adapter(self.factory(), self.terminal)
-        block.zero_init_last()
-        return block
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x

@@ -1,23 +1,33 @@
-"""How an inserted block starts: the paper's zero terminal map, an MSG mask ramp, or a G_stack copy.
+"""How an inserted block starts: the paper's zero terminal map, an MSG mask ramp, a G_stack copy,
+or a copy behind a mask ramp.
 
 Every insertion goes in as a zero-output block first (``network.grow`` refuses anything else, and
 the growth paths check the output did not change). What happens next is the insertion's kind:
 
-* ``"zero"`` (the paper): nothing; the block starts at ``V = 0``, function-preserving.
-* ``"mask_ramp"`` (MSG, arXiv 2305.02869): the terminal map gets a random draw, and the block's
-  residual update is multiplied by a mask ``m`` ramped linearly from 0 to 1 over ``ramp_steps``
-  optimizer steps: ``out = x + m·(block(x) − x)``. At ``m = 0`` the network is unchanged, so the
-  insertion is function-preserving; once ``m = 1`` the mask is removed and the block trains like a
-  fresh one (no zero terminal map to grow out of).
+* ``"zero"`` (the paper): nothing; the block starts at ``V = 0``.
+* ``"mask_ramp"`` (MSG, arXiv 2305.02869): the terminal map is drawn as a fresh layer's
+  (``draw_terminal``: nonzero on every family), and the block's residual update is multiplied by a
+  mask ``m`` ramped linearly from 0 to 1 over ``ramp_steps`` optimizer steps:
+  ``out = x + m·(block(x) − x)``. At ``m = 0`` the network is unchanged; once ``m = 1`` the mask
+  is removed and the block trains like a fresh one (no zero terminal map to grow out of).
 * ``"copy"`` (G_stack, arXiv 2405.15319): the block takes the weights of its neighbour below
-  (above at the first position). NOT function-preserving: the network's output changes at insertion.
-  ``GrowUntilSaturated`` never inserts anything but a zero block (its checks, trials and forks score
-  blocks against the unchanged function; a fit with both callbacks is refused at setup);
-  ``GrowOnSchedule``, which certifies nothing, takes it and logs the output's change.
+  (above at the first position). The network's output changes at insertion.
+* ``"copy_ramp"``: the copy's weights behind the mask ramp: unchanged at ``m = 0``, then the
+  neighbour's copy mixed in over ``ramp_steps``.
 
-Pure functions on modules; no Lightning. The mask lives in a forward hook and a plain dict (not in
-the block's state dict), so a grown checkpoint's keys are the same for every kind; the ramp's
-position is the growth callback's state.
+Whether an insertion left the output unchanged is measured where it happens (``GrowOnSchedule``
+records it per growth), never assumed from the kind. ``GrowUntilSaturated`` inserts only zero
+blocks (its checks score blocks against the unchanged function; a fit with both callbacks is
+refused at setup).
+
+The mask is state of the network: a 0-d buffer ``growtrain_mask`` on the block (in the network's
+dtype, on its device) that a forward hook reads, so a checkpoint written mid-ramp holds it and
+loads as the network that was trained. The hook is not state: ``load_masks`` (called by
+``GrowableMixin`` while it loads a state dict, after any growth replay) puts buffer and hook on
+every block whose mask the state dict holds. At ``m = 1`` both are removed, so a block's keys are
+its own again (a Hugging Face layer's ``save_pretrained`` writes no extra key after its ramp).
+
+Pure functions on modules; no Lightning.
 """
 
 from __future__ import annotations
@@ -28,31 +38,34 @@ import torch
 from torch import nn
 
 from growtrain.growable import terminal_parameters
+from growtrain.masks import MASK_KEY, attach_mask, detach_mask, load_masks, mask_value, set_mask
 
-__all__ = ["INSERTIONS", "Insertion", "MaskRamp", "check_insertion", "copy_neighbour", "draw_terminal",
-           "function_preserving", "neighbour_block"]  # fmt: skip
+__all__ = ["INSERTIONS", "MASK_KEY", "RAMPED", "Insertion", "MaskRamp", "attach_mask", "check_insertion",
+           "copy_neighbour", "detach_mask", "draw_terminal", "load_masks", "mask_value", "neighbour_block",
+           "set_mask"]  # fmt: skip
 
-Insertion = Literal["zero", "mask_ramp", "copy"]
-INSERTIONS: tuple[str, ...] = ("zero", "mask_ramp", "copy")
-_PRESERVING = {"zero": True, "mask_ramp": True, "copy": False}
+Insertion = Literal["zero", "mask_ramp", "copy", "copy_ramp"]
+INSERTIONS: tuple[str, ...] = ("zero", "mask_ramp", "copy", "copy_ramp")
+RAMPED: tuple[str, ...] = ("mask_ramp", "copy_ramp")  # the kinds behind a mask
 _FALLBACK_STD = 0.02  # GPT-2's init std, for a terminal tensor whose neighbours are all still zero
 
 
 def check_insertion(kind: Any, name: str = "insertion") -> str:
     if kind not in INSERTIONS:
         raise ValueError(f"{name}: expected one of {INSERTIONS}, got {kind!r}. 'zero' is the paper's function-"
-                         "preserving insertion; 'mask_ramp' (MSG) and 'copy' (G_stack) are the alternatives.")  # fmt: skip
+                         "preserving insertion; 'mask_ramp' (MSG), 'copy' (G_stack) and 'copy_ramp' (a copy behind "
+                         "MSG's mask) are the alternatives.")  # fmt: skip
     return kind
 
 
-def function_preserving(kind: str) -> bool:
-    """Whether the network's output is unchanged right after an insertion of this kind."""
-    return _PRESERVING[check_insertion(kind)]
-
-
 def _same_tensors(a: nn.Module, b: nn.Module) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
+    sa, sb = _own_state(a), _own_state(b)
     return set(sa) == set(sb) and all(getattr(sa[k], "shape", None) == getattr(sb[k], "shape", None) for k in sa)
+
+
+def _own_state(block: nn.Module) -> dict[str, Any]:
+    # the block's tensors without a mask: a neighbour mid-ramp is still a block of the same kind
+    return {k: v for k, v in block.state_dict(keep_vars=True).items() if k != MASK_KEY}
 
 
 def neighbour_block(network: nn.Module, block: nn.Module) -> nn.Module | None:
@@ -84,87 +97,94 @@ def copy_neighbour(network: nn.Module, block: nn.Module) -> nn.Module:
     """G_stack's insertion: ``block`` takes every tensor of its neighbour (``neighbour_block``).
 
     Parameters keep their identity (values are copied in place), so the optimizer's references hold.
+    A neighbour's own mask (mid-ramp) is not copied: the new block's mask is its insertion's.
     """
     source = neighbour_block(network, block)
     if source is None:
         raise ValueError("insertion='copy': the new block has no trained neighbour with its tensors in its stage to "
                          "copy (a stage's shape-changing first block is not one)")  # fmt: skip
-    mine = dict(block.state_dict(keep_vars=True))
-    theirs = source.state_dict(keep_vars=True)
-    for key, tensor in mine.items():
+    theirs = _own_state(source)
+    for key, tensor in _own_state(block).items():
         tensor.copy_(theirs[key].detach())
     return source
 
 
+_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
+
+
+def _kinds(block: nn.Module, params: list[nn.Parameter]) -> list[str]:
+    """Each terminal tensor as a fresh layer initialises it: ``"bias"`` (zero), ``"scale"`` (a
+    normalisation layer's weight: one) or ``"weight"`` (a random draw)."""
+    names = {id(p): n for n, p in block.named_parameters()}
+    out = []
+    for p in params:
+        name = names.get(id(p), "")
+        owner_path, _, leaf = name.rpartition(".")
+        owner = block.get_submodule(owner_path) if name else None
+        if leaf == "bias":
+            out.append("bias")
+        elif isinstance(owner, _NORMS) or type(owner).__name__.endswith("Norm"):
+            out.append("scale")
+        else:
+            out.append("weight")
+    return out
+
+
 @torch.no_grad()
 def draw_terminal(network: nn.Module, block: nn.Module, generator: torch.Generator | None = None) -> None:
-    """MSG's fresh block: each terminal weight drawn from N(0, s²), s the standard deviation of the
-    neighbour's matching tensor (0.02 when no neighbour has trained one); biases stay zero."""
+    """MSG's fresh block: the terminal map as a fresh layer's, never zero. Each terminal weight is
+    drawn from N(0, s²), s the standard deviation of the neighbour's matching tensor (0.02 when no
+    neighbour has trained one); a normalisation layer's weight (a ResNet BasicBlock's ``bn2.weight``,
+    its whole terminal scale) is one, as ``reset_parameters`` sets it; biases stay zero."""
     source = neighbour_block(network, block)
-    ref = _terminal(network, source) if source is not None else [None] * len(_terminal(network, block))
-    for p, q in zip(_terminal(network, block), ref):
-        if p.dim() < 2:
-            continue  # a bias: zero, as in a fresh layer
+    mine = _terminal(network, block)
+    ref = _terminal(network, source) if source is not None else [None] * len(mine)
+    for p, q, kind in zip(mine, ref, _kinds(block, mine)):
+        if kind == "bias":
+            continue  # zero, as in a fresh layer
+        if kind == "scale":
+            p.fill_(1.0)
+            continue
         s = float(q.detach().float().std()) if q is not None and q.numel() > 1 else _FALLBACK_STD
         draw = torch.randn(p.shape, generator=generator, dtype=torch.float32)  # on the CPU: the same on any device
-        p.copy_((draw * (s if s > 0 else _FALLBACK_STD)).to(p.dtype))
-
-
-def _hidden_in(args: tuple, kwargs: dict) -> torch.Tensor:
-    if args and isinstance(args[0], torch.Tensor):
-        return args[0]
-    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-        return kwargs["hidden_states"]
-    raise TypeError("insertion='mask_ramp': the block's input is not a tensor (first argument or hidden_states)")
+        p.copy_((draw * (s if s > 0 else _FALLBACK_STD)).to(device=p.device, dtype=p.dtype))
 
 
 class MaskRamp:
     """MSG's output masks: ``out = x + m·(block(x) − x)`` with ``m`` ramped 0 → 1 over ``steps``.
 
-    ``add(block, start)`` masks a block from optimizer step ``start``; ``set_step(step)`` moves every
-    mask to that step (call it before each training batch) and removes a mask at ``m = 1``.
+    ``add(block, start)`` masks a block from optimizer step ``start`` (or adopts the mask a loaded
+    checkpoint put on it); ``set_step(step)`` moves every mask to that step (call it before each
+    training batch) and removes a mask at ``m = 1``.
     """
 
     def __init__(self, steps: int):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"ramp_steps: expected an integer ≥ 1 (optimizer steps from 0 to 1), got {steps!r}")
         self.steps = steps
-        self._masks: dict[int, dict] = {}  # id(block) → {"block", "start", "m", "handle"}
+        self._masks: dict[int, tuple[nn.Module, int]] = {}  # id(block) → (block, start)
 
     def value(self, start: int, step: int) -> float:
         return min(1.0, max(0.0, (step - start) / self.steps))
 
     def add(self, block: nn.Module, start: int, step: int | None = None) -> None:
-        entry = {"block": block, "start": int(start), "m": 0.0, "handle": None}
-
-        def hook(module, args, kwargs, output):
-            m = entry["m"]
-            x = _hidden_in(args, kwargs)
-            if isinstance(output, torch.Tensor):
-                return x + m * (output - x)
-            first = output[0]
-            return (x + m * (first - x),) + tuple(output[1:])
-
-        entry["handle"] = block.register_forward_hook(hook, with_kwargs=True, prepend=True)
-        self._masks[id(block)] = entry
-        self.set_step(start if step is None else step)
+        self._masks[id(block)] = (block, int(start))
+        attach_mask(block, self.value(int(start), int(start) if step is None else step))
+        if mask_value(block) is None:  # already at 1: nothing left to ramp
+            del self._masks[id(block)]
 
     def set_step(self, step: int) -> None:
-        for key in list(self._masks):
-            entry = self._masks[key]
-            entry["m"] = self.value(entry["start"], step)
-            if entry["m"] >= 1.0:
-                entry["handle"].remove()  # the plain block from here on: no hook, no cost
+        for key, (block, start) in list(self._masks.items()):
+            set_mask(block, self.value(start, step))
+            if mask_value(block) is None:
                 del self._masks[key]
 
     def mask(self, block: nn.Module) -> float | None:
-        """The block's current mask, ``None`` when it has none (never masked, or ramped to 1)."""
-        entry = self._masks.get(id(block))
-        return None if entry is None else entry["m"]
+        """The block's current mask, ``None`` when this ramp holds none for it."""
+        return mask_value(block) if id(block) in self._masks else None
 
     def clear(self) -> None:
-        for entry in self._masks.values():
-            entry["handle"].remove()
+        """Forget every block without touching its mask (a resumed fit adopts them again)."""
         self._masks.clear()
 
     def __len__(self) -> int:

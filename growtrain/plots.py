@@ -42,11 +42,6 @@ def _figure(size=(7.0, 4.0)):
     return Figure(figsize=size, layout="constrained")
 
 
-def _gain(record: dict) -> dict | None:
-    """The ``min_gain`` verdict of a check (the realized gain of the block grown before it), if any."""
-    return record.get("gain") or (record.get("verdicts") or {}).get("gain")
-
-
 def _whole_epochs(ax, xs: Sequence[float]) -> None:
     from matplotlib.ticker import MaxNLocator
 
@@ -119,10 +114,9 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
     ``min_gain`` (grow when the bound is above it); with ``decision="stage_fork"`` (a ``fork`` record,
     the periodic schedule) the arm's paired probe gain over the run in % of the loss, its certified
     lower bound (grow when above ``min_gain``) and its upper bound ("certified saturation" when
-    below), checks that only opened a fork marked at the bottom of the panel (nothing compared); with ``decision="gain"`` each later check's
-    certified gain of the last block against what it needed (``min_gain`` × the probe loss at
-    that growth). Then the first-order test — the best site's certified (cross-fit) lower bound
-    against the rule's threshold (``margin``: δ, or τ·R for the relative rule); with
+    below), checks that only opened a fork marked at the bottom of the panel (nothing compared).
+    Then the first-order test — the best site's certified (cross-fit) lower bound
+    against the rule's threshold (``margin``: δ); with
     ``rule="paper"``, Γ̂ against δ+t — which decides under ``decision="rule"`` (then it is the
     top panel) and otherwise only chose the sites. Filled markers decided a check; hollow ones
     were reported only. Bottom, secondary: Γ̂ and δ+t.
@@ -139,24 +133,22 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
         raise ValueError("history: no growth checks to plot (the callback recorded none)")
     xkey = "epoch" if all(h.get("epoch") is not None for h in history) else "step"
     measured = [h for h in history if h.get("gamma") is not None]  # budget stops run no probe
-    gains = [h for h in measured if _gain(h)]
     trials = [h for h in history if _trial(h) and _best_trial(_trial(h))]
     forks = [h for h in history if _fork(h)]
     paper = bool(measured) and all(h.get("rule") == "paper" for h in measured)
-    rows = 2 + bool(gains) + bool(trials) + bool(forks)
+    rows = 2 + bool(trials) + bool(forks)
     fig = _figure((8.5, 2.3 * rows + 1.0))
     axes = fig.subplots(rows, 1, sharex=True, height_ratios=[2] * (rows - 1) + [1.2])
-    # what decided comes first (the fork, the trials, or the realized gain), then the first-order
-    # test that chose the sites or decided itself, then the paper's quantities
-    names = ["fork"] * bool(forks) + ["trial"] * bool(trials) + ["gain"] * bool(gains) + ["first", "paper"]
+    # what decided comes first (the fork or the trials), then the first-order test that chose the
+    # sites or decided itself, then the paper's quantities
+    names = ["fork"] * bool(forks) + ["trial"] * bool(trials) + ["first", "paper"]
     panel = dict(zip(names, axes))
-    first, paper_ax, trial_ax, gain_ax = panel["first"], panel["paper"], panel.get("trial"), panel.get("gain")
-    fork_ax = panel.get("fork")
+    first, paper_ax, trial_ax, fork_ax = panel["first"], panel["paper"], panel.get("trial"), panel.get("fork")
     # -- the first-order test: lower bound vs threshold (or Γ̂ vs δ+t for the paper rule) ---------------------
     value_key, need_key = ("gamma", "threshold") if paper else ("lower", "margin")
     pts = [h for h in measured if h.get(value_key) is not None]
     for decided in (True, False):
-        sel = [h for h in pts if (not _gain(h) and not _trial(h) and not _fork(h)) == decided]
+        sel = [h for h in pts if (not _trial(h) and not _fork(h)) == decided]
         if sel:
             first.plot([h[xkey] for h in sel], [h[value_key] for h in sel], "o", color="C0",
                        fillstyle="full" if decided else "none",
@@ -165,7 +157,7 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
     needs = [h for h in pts if h.get(need_key) is not None]
     if needs:
         first.plot([h[xkey] for h in needs], [h[need_key] for h in needs], "_", color="C3", ms=14, mew=2,
-                   label=r"$\delta+t$: grow above" if paper else "threshold (δ or τ·R): grow above")  # fmt: skip
+                   label=r"$\delta+t$: grow above" if paper else "threshold δ: grow above")  # fmt: skip
     first.set_ylabel("gradient norm")
     what = "Γ̂ against δ+t" if paper else "certified lower bound against its threshold"
     chose = " (chose the trial sites)" if trials else " (chose the fork's sites)" if forks else ""
@@ -183,12 +175,6 @@ def plot_gamma_trace(history: Sequence[dict], path: str | Path | None = None, ti
                       label="its certified lower bound (decided)")  # fmt: skip
         _against_need(trial_ax, tx, [_trial(h)["min_gain"] for h in trials], "min_gain: grow when the bound is above",
                       "fraction of the loss", "block-only trial: the best new block's held-out loss drop against min_gain")
-    # -- min_gain: each later check's certified gain of the last block vs its need ------------------------------
-    if gain_ax is not None:
-        gx = [h[xkey] for h in gains]
-        gain_ax.plot(gx, [_gain(h)["score"] for h in gains], "s", color="C4", label="certified gain of the last block")
-        _against_need(gain_ax, gx, [_gain(h)["margin"] for h in gains], "need: min_gain × probe loss (grow above)",
-                      "probe-loss drop", "realized gain: the last growth's certified probe-loss drop against its need")
     # -- secondary: the paper's Γ̂ and δ+t -----------------------------------------------------------------------
     x = [h[xkey] for h in measured]
     paper_ax.plot(x, [h["gamma"] for h in measured], "o-", color="0.4", ms=3, lw=0.8, label=r"$\hat\Gamma$ (paper)")
@@ -298,10 +284,8 @@ def plot_stopping(summary: dict, growth_rows: Sequence[dict], path: str | Path |
     """Left: the scratch sweep's test loss against depth (mean ± sd), ``d*`` and each growth
     seed's found depth marked (AutoGrow's Figure 5 style). Right: with ``min_gain``, every growth
     seed's certified gain at each check, with ``min_gain`` (``decision="trial"``: the best tried
-    block's lower bound; ``"stage_fork"``: the fork's; ``"gain"``, in rows of earlier versions: the
-    last block's); else the relative rule's ratio (best
-    certified lower bound / R) of the first growth run, with τ. A growth run that found no depth
-    (its fit ended before growth did) is drawn hollow."""
+    block's lower bound; ``"stage_fork"``: the fork's); empty under ``decision="rule"``. A growth
+    run that found no depth (its fit ended before growth did) is drawn hollow."""
     fig = _figure((10.0, 4.0))
     left, right = fig.subplots(1, 2)
     label = summary.get("depth_kwarg", "depth")
@@ -332,7 +316,6 @@ def plot_stopping(summary: dict, growth_rows: Sequence[dict], path: str | Path |
         left.legend(fontsize=8)
     else:
         left.text(0.5, 0.5, "no rows yet", transform=left.transAxes, ha="center", va="center", color="0.5")
-    gains = [[h for h in g.get("history", []) if (h.get("verdicts") or {}).get("gain")] for g in growth_rows]
     trials = [[h for h in g.get("history", []) if (h.get("verdicts") or {}).get("trial")] for g in growth_rows]
     # a fork verdict with a bound: a judged fork (a check that opened one compared nothing)
     forks = [[h for h in g.get("history", []) if ((h.get("verdicts") or {}).get("fork") or {}).get("lower_frac")
@@ -341,44 +324,11 @@ def plot_stopping(summary: dict, growth_rows: Sequence[dict], path: str | Path |
         _plot_trials(right, growth_rows, trials)
     elif any(forks):
         _plot_trials(right, growth_rows, forks, key="fork", ylabel="the fork's certified gain / the run's loss")
-    elif any(gains):
-        _plot_gains(right, growth_rows, gains)
-    elif growth_rows:
-        hist = [h for h in growth_rows[0].get("history", []) if h.get("ratio") is not None]
-        if hist:
-            right.plot([h["depth_before"] for h in hist], [h["ratio"] for h in hist], "o-", label="ratio (lower / R)")
-            tau = next((h.get("margin") / h["reference"] for h in hist if h.get("reference")), None)
-            if tau is not None:
-                right.axhline(tau, color="C3", ls=":", label=f"τ = {tau:.2g}")
-            right.set_xlabel("blocks at the check")
-            right.set_ylabel("best lower bound / R")
-            right.legend(fontsize=8)
     fig.suptitle("Growth until saturated vs a from-scratch depth sweep")
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
     return fig
-
-
-def _plot_gains(ax, growth_rows: Sequence[dict], gains: Sequence[Sequence[dict]]) -> None:
-    """Each growth seed's certified gain of its last block (lower bound / probe loss at that
-    growth) against the blocks at the check, with ``min_gain``: growth goes on above the line."""
-    min_gain = None
-    for i, (g, hist) in enumerate(zip(growth_rows, gains)):
-        if not hist:
-            continue
-        gain = [h["verdicts"]["gain"] for h in hist]
-        ys = [v["score"] / v["loss_before"] for v in gain]
-        ax.plot([h["depth_before"] for h in hist], ys, "o-", color=f"C{i}", label=f"seed {g['seed']}")
-        min_gain = gain[0]["margin"] / gain[0]["loss_before"]
-    if min_gain is not None:
-        ax.axhline(min_gain, color="C3", ls=":", label=f"min_gain = {min_gain:.2g}")
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("blocks at the check (the last one just judged)")
-    ax.set_ylabel("certified gain of the last block / probe loss")
-    ax.legend(fontsize=8)
 
 
 def _plot_trials(ax, growth_rows: Sequence[dict], trials: Sequence[Sequence[dict]], key: str = "trial",

@@ -95,8 +95,8 @@ class Blobs(L.LightningDataModule):
 
 
 class OwnModule(GrowableModuleMixin, ShardedBlocksMixin, L.LightningModule):
-    """A user's own module as README's "Sharded models" shows it: a GrowableStack of residual
-    MLP blocks with BatchNorm (tests/helpers.MLPBlock), sharded by ShardedBlocksMixin."""
+    """A user's own module as docs/fsdp.md's "Your own LightningModule" shows it: a GrowableStack of
+    residual MLP blocks with BatchNorm (tests/helpers.MLPBlock), sharded by ShardedBlocksMixin."""
 
     growable_attr = "network"
 

@@ -183,6 +183,8 @@ def test_growth_adopts_the_arm(quiet_trainer_kwargs, monkeypatch):
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(seen["net_state"][name][key], seen["arm_state"][name][key])
     assert cb.finished == "phase"
+    assert [h["function_preserving"] for h in cb.history] == [False, False]  # a copy changes the function
+    assert all("NOT function-preserving at insertion" in h["reason"] for h in cb.history)
 
 
 def test_copy_insertion_copies_the_block_below(quiet_trainer_kwargs, monkeypatch):
@@ -199,8 +201,10 @@ def test_copy_insertion_copies_the_block_below(quiet_trainer_kwargs, monkeypatch
     _fit(GrowForBudget(checks=1, growth_phase=0.2, fork=0.1, insertion="copy"), 400, quiet_trainer_kwargs)
     assert made and all(torch.equal(new, below) for new, below in made[0].values())
     made.clear()
-    _fit(GrowForBudget(checks=1, growth_phase=0.2, fork=0.1, insertion="zero"), 400, quiet_trainer_kwargs)
+    zero = GrowForBudget(checks=1, growth_phase=0.2, fork=0.1, insertion="zero")
+    _fit(zero, 400, quiet_trainer_kwargs)
     assert not all(torch.equal(new, below) for new, below in made[0].values())
+    assert zero.history[0]["function_preserving"] is True
 
 
 def test_a_stop_ends_growth_and_says_what_was_certified(quiet_trainer_kwargs, monkeypatch):
@@ -226,3 +230,19 @@ def test_the_decision_judges_the_gain_it_was_asked_to(quiet_trainer_kwargs, monk
     key = "far_" if extrapolate else ""
     assert judged == [(record[key + "lower_frac"], record[key + "upper_frac"])]
     assert record["far_lower_frac"] != record["lower_frac"]
+
+
+def test_docs_options_table_matches_the_signature():
+    """docs/budget.md's defaults are the callback's (one source: the signature)."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "budget.md").read_text()
+    defaults = {k: v.default for k, v in inspect.signature(GrowForBudget).parameters.items()}
+    for name in ("growth_phase", "checks", "fork", "min_gain", "alpha", "insertion", "extrapolate"):
+        row = re.search(rf"^\| `{name}` \| ([^|]+) \|", text, re.M)
+        assert row, name
+        shown = row.group(1).strip().strip("`").strip('"')
+        expected = "0" if defaults[name] == 0.0 and not isinstance(defaults[name], bool) else str(defaults[name])
+        assert shown == expected, (name, shown, defaults[name])

@@ -70,11 +70,6 @@ SMALL = {"site": "layer3.1", "paid": False, "lower_frac": 0.001, "gain_frac": 0.
 WIDE = {"site": "layer1.1", "paid": False, "lower_frac": -0.01, "gain_frac": 0.005, "upper_frac": 0.02,
         "level": 0.0167, "n": 500}  # fmt: skip
 FORK = {"gain_frac": -0.005, "level": 0.05, "n": 100}
-# the stop an earlier version's decision="gain" (removed) wrote into a history that a resumed fit or
-# gamma_trace.png still shows: the verdict its gain_verdict made, never certified
-OLD_GAIN_STOP = dec.Verdict("gain", True, None, -0.002, 0.004, "no certified gain: depth stopped paying: the last "
-                            "growth lowered the probe loss by 0.001 (lower bound -0.002, bootstrap-t at level 0.05) "
-                            "vs min_gain·loss = 0.004")  # fmt: skip
 
 # every rule's stop, and whether it certified saturation (an upper bound below the margin)
 STOPS = {
@@ -91,7 +86,6 @@ STOPS = {
     "paper rule": (lambda: dec.paper_verdict(0.1, "layer1.1", 0.0, 0.5), False),
     "cross-fit rule": (lambda: dec.crossfit_verdict([-0.1, 0.0], ["layer1.1", "layer2.1"], 0.0, 0.01), False),
     "relative rule": (lambda: dec.relative_verdict([0.1], ["layer1.1"], 0.5, 0.5, 0.0, 0.01), False),
-    "realized gain (an earlier version's history)": (lambda: OLD_GAIN_STOP, False),
 }
 
 

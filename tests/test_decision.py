@@ -163,7 +163,7 @@ def test_bad_tau_is_refused_by_measure_saturation(tau):
         ({"anneal_epochs": 0}, r"anneal_epochs: expected an integer >= 1"),
         ({"on_saturated": "finish"}, r"on_saturated: expected one of \('stop', 'continue', 'anneal'\)"),
         ({"rule": "relatve"}, r"rule: expected one of \('paper', 'crossfit'\); got 'relatve'\. Fix: pass rule='paper'"),
-        ({"rule": "relative"}, r"rule: expected one of \('paper', 'crossfit'\); got 'relative'\. Fix: pass rule='crossfit'"),
+        ({"rule": "relative"}, r"rule: expected one of \('paper', 'crossfit'\); got 'relative'\. Fix: pass rule='paper'"),
     ],
 )
 def test_bad_options_name_the_argument(kwargs, match):

@@ -91,42 +91,30 @@ def test_bad_min_gain_is_refused_at_construction(value):
         GrowUntilSaturated(min_gain=value)
 
 
-def test_stopping_figure_draws_every_seeds_certified_gain(tmp_path):
-    """Rows of an earlier version's decision="gain" (their stopping.json stays readable): each seed's
-    certified gain of its last block, with the min_gain line."""
-    from growtrain.plots import plot_stopping
-
-    def check(blocks, lower, loss):
-        return {"depth_before": blocks, "verdicts": {"gain": {"score": lower, "margin": 0.01 * loss, "loss_before": loss}}}
-
-    rows = [{"seed": s, "depth": 2, "test_loss": 0.4, "history": [{"depth_before": 3}, check(4, 0.04, 0.4),
-                                                                  check(5, -0.01, 0.36)]} for s in (0, 1)]  # fmt: skip
-    summary = {"depth_kwarg": "added", "d_star": 3, "by_depth": {0: {"test_loss": (0.45, 0.01)}, 3: {"test_loss": (0.37, 0.01)}}}
-    fig = plot_stopping(summary, rows, tmp_path / "s.png")
-    right = fig.axes[1]
-    assert (tmp_path / "s.png").stat().st_size > 0
-    for line in right.lines[:2]:  # one line per seed: lower bound / loss at the growth
-        assert list(line.get_ydata()) == pytest.approx([0.04 / 0.4, -0.01 / 0.36])
-    assert right.lines[-1].get_ydata()[0] == pytest.approx(0.01)  # the min_gain line
-
-
-def test_end_of_fit_summary_shows_each_blocks_certified_gain():
-    """A history of an earlier version's decision="gain" (growth_history.json stays readable)."""
+def test_the_end_of_fit_summary_shows_the_margin_column_only_when_a_margin_was_set():
+    """The summary's columns: the first-order figures always; the margin (δ) only when some check had a
+    non-zero one (δ = 0, the default, is a column that says nothing)."""
     from rich.console import Console
 
     from growtrain.callbacks import telemetry
 
-    history = [{"check": 0, "epoch": 9, "depth_before": 3, "action": "grow", "site": "layer1.0", "lower": 0.1},
-               {"check": 1, "epoch": 19, "depth_before": 4, "action": "saturated", "lower": 0.02,
-                "gain": {"score": -0.0123, "margin": 0.0041}}]  # fmt: skip
-    table = telemetry.fit_summary(history, start_depth=3, final_depth=4, finished="saturated",
-                                  stop_reason="saturated: depth stopped paying", metrics={}, probe_seconds=1.0,
-                                  fit_seconds=10.0)  # fmt: skip
-    console = Console(width=200, record=True)
-    console.print(table)
-    text = console.export_text()
-    assert "gain ≥" in text and "need" in text and "-0.0123" in text and "0.0041" in text and "depth stopped paying" in text
-    assert "ratio (" not in text and "margin" not in text  # no relative rule, δ = 0: columns that say nothing
+    def headers(margin):
+        history = [{"check": 0, "epoch": 9, "depth_before": 3, "action": "grow", "site": "layer1.0", "lower": 0.1,
+                    "margin": margin},
+                   {"check": 1, "epoch": 19, "depth_before": 4, "action": "saturated", "lower": 0.02,
+                    "margin": margin}]  # fmt: skip
+        table = telemetry.fit_summary(history, start_depth=3, final_depth=4, finished="saturated",
+                                      stop_reason="no certified first-order gain", metrics={}, probe_seconds=1.0,
+                                      fit_seconds=10.0)  # fmt: skip
+        console = Console(width=200, record=True)
+        console.print(table)
+        return [c.header for c in table.columns], console.export_text()
+
+    columns, text = headers(0.0)
+    assert columns == ["check", "epoch", "depth", "action", "site", "first-order ≥"]
+    columns, text = headers(0.0513)
+    assert columns == ["check", "epoch", "depth", "action", "site", "first-order ≥", "margin"]
+    assert "0.0513" in text and "no certified gain" in text
 
 
 def test_the_final_metrics_are_the_trainers_last_callback_metrics():

@@ -83,35 +83,6 @@ def test_under_the_trial_rule_the_trial_panel_shows_what_decided():
     assert "Growth stopped at epoch 14 (no certified gain): no certified gain: no block tried lowers" in footer
 
 
-def gain_history():
-    """A history of an earlier version's decision="gain" (removed; the growth_history.json files in
-    docs/results stay plottable): grew at 11 and 20; at 29 the second block did not pay."""
-    gain = lambda score, need, sat: {"rule": "gain", "score": score, "margin": need, "saturated": sat}  # noqa: E731
-    base = {"gamma": 0.2, "threshold": 0.6, "margin": 0.0, "rule": "crossfit", "lower": 0.02}
-    return [
-        {**base, "epoch": 11, "action": "grow", "site": "layer1.1", "sites": ["layer1.1"], "depth_before": 3, "depth": 4},
-        {**base, "epoch": 20, "action": "grow", "site": "layer1.2", "sites": ["layer1.2"], "depth_before": 4,
-         "depth": 5, "gain": gain(0.05, 0.006, False)},
-        {**base, "epoch": 29, "action": "saturated", "site": None, "sites": [], "depth_before": 5, "depth": 5,
-         "gain": gain(-0.001, 0.005, True), "reason": "no certified gain: the last block did not pay"},
-    ]  # fmt: skip
-
-
-def test_a_gain_history_shows_the_realized_gain_panel_its_growths_and_its_stop(tmp_path):
-    fig = plot_gamma_trace(gain_history(), tmp_path / "trace.png")
-    gain, first, paper = fig.axes  # what decided on top
-    assert _points(gain)["certified gain of the last block"] == ([20, 29], [0.05, -0.001])
-    for ax in fig.axes:
-        assert _vlines(ax, "C3", "-") == [11, 20] and _vlines(ax, "k", ":") == [29]
-    assert {"layer1.1", "layer1.2", "stop: no certified gain"} <= set(_notes(gain))
-    labels = [line.get_label() for line in gain.get_lines()]
-    assert "block inserted" in labels and "growth stopped" in labels
-    footer = fig._supxlabel.get_text().replace("\n", " ")
-    assert "Final network: depth 5 (started at 3); blocks grown and kept: layer1.1, layer1.2." in footer
-    assert "the last block did not pay" in footer
-    assert (tmp_path / "trace.png").read_bytes()[:4] == b"\x89PNG"
-
-
 def fork(gain=None, lower=None, upper=None, min_gain=0.01):
     """A decision="stage_fork" record's entry (growtrain/callbacks/fork_check.py): a check that opened
     a fork carries no figures; a judged fork its gain, its bounds and the run's probe loss."""
@@ -210,6 +181,6 @@ def test_the_callbacks_final_state_is_the_footer():
     final = final_state(callback)
     assert final == {"start_depth": 3, "finished": "saturated", "stop_reason": "the reason", "depth": 4,
                      "sites": ["layer1.1"]}  # fmt: skip
-    footer = plot_gamma_trace(gain_history(), final=final)._supxlabel.get_text().replace("\n", " ")
-    assert "depth 4 (started at 3); blocks grown and kept: layer1.1." in footer
-    assert "(no certified gain): the reason" in footer  # the gain's stop certifies no upper bound
+    footer = plot_gamma_trace(trial_history(), final=final)._supxlabel.get_text().replace("\n", " ")
+    assert "depth 4 (started at 3); blocks grown and kept: layer1.1." in footer  # not the history's depth 5
+    assert "(no certified gain): the reason" in footer  # the trial's stop record certifies no upper bound

@@ -1,7 +1,6 @@
 """A newcomer never wonders what happened: a fit with no check says why, the default
 monitor works on a module that logs nothing, a missing metric is named, every fit says where its
-outputs are, options that do nothing are warned about. (The small-probe warning belonged to the removed
-decision="gain"; the default trial decision does not need it, tested here.)"""
+outputs are, options that do nothing are warned about."""
 
 from __future__ import annotations
 
@@ -208,15 +207,19 @@ def test_summary_says_when_no_checkpoint_holds_the_network_handed_over():
 
 # -- gamma_trace.png shows what decided ------------------------------------------------------------------
 def _history():
-    gain = lambda score, need, sat: {"rule": "gain", "score": score, "margin": need, "saturated": sat}  # noqa: E731
+    """The first check decided by the first-order rule (no trial record), the later ones by block-only trials."""
+    def trial(site, gain, lower):
+        tried = {"site": site, "gain_frac": gain, "lower_frac": lower, "upper_frac": gain + 0.02, "diverged": False}
+        return {"lower_frac": lower, "min_gain": 0.01, "trials": [tried], "saturated": lower <= 0.01}
+
     return [
         {"epoch": 3, "step": 40, "gamma": 0.2, "threshold": 0.6, "lower": 0.05, "margin": 0.0, "rule": "crossfit",
          "action": "grow", "site": "layer1.1", "sites": ["layer1.1"]},
         {"epoch": 9, "step": 120, "gamma": 0.15, "threshold": 0.7, "lower": 0.0, "margin": 0.0, "rule": "crossfit",
-         "action": "grow", "site": "layer2.1", "sites": ["layer2.1"], "gain": gain(0.08, 0.006, False)},
+         "action": "grow", "site": "layer2.1", "sites": ["layer2.1"], "trial": trial("layer2.1", 0.08, 0.03)},
         {"epoch": 15, "step": 200, "gamma": 0.1, "threshold": 0.8, "lower": 0.01, "margin": 0.0, "rule": "crossfit",
-         "action": "saturated", "site": None, "sites": [], "gain": gain(-0.01, 0.005, True)},
-    ]
+         "action": "saturated", "site": None, "sites": [], "trial": trial("layer1.2", -0.01, -0.02)},
+    ]  # fmt: skip
 
 
 def _points(ax):
@@ -227,15 +230,16 @@ def test_gamma_trace_draws_the_deciding_quantities(tmp_path):
     from growtrain.plots import plot_gamma_trace
 
     fig = plot_gamma_trace(_history(), tmp_path / "trace.png")
-    gain, first, paper = fig.axes  # the realized gain decided the later checks: on top
+    trials, first, paper = fig.axes  # the trials decided the later checks: on top
     lines = _points(first)
     # the first check was decided by its lower bound (filled); later ones only report it (hollow)
     assert lines["best certified lower bound (decided)"] == ([3], [0.05])
     assert lines["best certified lower bound (reported)"] == ([9, 15], [0.0, 0.01])
-    assert lines["threshold (δ or τ·R): grow above"] == ([3, 9, 15], [0.0, 0.0, 0.0])
-    lines = _points(gain)
-    assert lines["certified gain of the last block"] == ([9, 15], [0.08, -0.01])
-    assert lines["need: min_gain × probe loss (grow above)"] == ([9, 15], [0.006, 0.005])
+    assert lines["threshold δ: grow above"] == ([3, 9, 15], [0.0, 0.0, 0.0])
+    lines = _points(trials)
+    assert lines["best tried block: held-out gain (estimate)"] == ([9, 15], [0.08, -0.01])
+    assert lines["its certified lower bound (decided)"] == ([9, 15], [0.03, -0.02])
+    assert lines["min_gain: grow when the bound is above"] == ([9, 15], [0.01, 0.01])
     assert _points(paper)[r"$\hat\Gamma$ (paper)"] == ([3, 9, 15], [0.2, 0.15, 0.1])
     assert all(float(t).is_integer() for t in paper.get_xticks())
     assert paper.get_xlabel().startswith("epoch")
@@ -246,7 +250,7 @@ def test_gamma_trace_of_one_check_has_whole_epoch_ticks():
     from growtrain.plots import plot_gamma_trace
 
     fig = plot_gamma_trace(_history()[:1])
-    assert len(fig.axes) == 2  # no gain panel without a judged growth
+    assert len(fig.axes) == 2  # no trial panel: the first-order rule decided
     assert fig.axes[-1].get_xlim() == (2.0, 4.0)
     assert all(float(t).is_integer() for t in fig.axes[-1].get_xticks())
 

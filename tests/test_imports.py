@@ -276,3 +276,119 @@ def test_every_module_imports_alone():
     assert result.returncode == 0, result.stderr[-4000:]
     failed = result.stdout.strip().splitlines()[-1].removeprefix("FAILED:").strip()
     assert not failed, f"modules that fail to import alone: {failed}\n{result.stdout[-4000:]}{result.stderr[-4000:]}"
+
+
+# -- growable.py sits below families/ --------------------------------------------------------------
+# families/ build their blocks on growable.py's contract, so growable.py must not reach up into them,
+# not even from inside a function (a deferred import hides the upward edge from the interpreter).
+def _families_imports(name: str, path: Path) -> list[str]:
+    """What module ``name`` (source at ``path``) imports from ``growtrain.families``, anywhere in it:
+    ``import``/``from … import`` statements (deferred ones too), and ``importlib.import_module`` /
+    ``__import__`` calls with a literal module name."""
+    modules = package_modules()
+    found = {m for m in imported_modules(name, path, modules) if m == "growtrain.families" or m.startswith("growtrain.families.")}
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            target = node.args[0].value
+            if called in ("import_module", "__import__") and isinstance(target, str) and target.startswith("growtrain.families"):
+                found.add(target)
+    return sorted(found)
+
+
+def test_growable_does_not_import_the_families_built_on_it():
+    path = PACKAGE_DIR / "growable.py"
+    assert not _families_imports("growtrain.growable", path), (
+        "growtrain/growable.py imports growtrain.families (families build on growable.py, not the reverse): "
+        + ", ".join(_families_imports("growtrain.growable", path))
+    )
+
+
+def test_families_import_reader_sees_deferred_and_dynamic_imports(tmp_path):
+    path = tmp_path / "growable.py"
+    path.write_text(textwrap.dedent(
+        """
+        import importlib
+
+        def late():
+            from growtrain.families.generic import ResidualAdapter
+
+        def dynamic():
+            return importlib.import_module("growtrain.families.basic")
+        """
+    ))  # fmt: skip
+    assert _families_imports("growtrain.growable", path) == ["growtrain.families.basic", "growtrain.families.generic"]
+    path.write_text("from growtrain.probe_math import DenseFeatures\n")
+    assert _families_imports("growtrain.growable", path) == []
+
+
+# -- bench/ uses the library's public names only -----------------------------------------------------
+BENCH_DIR = PACKAGE_DIR.parent / "bench"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_growtrain_uses(path: Path) -> list[str]:
+    """Private growtrain names a script uses: ``from growtrain… import _name``, a private growtrain
+    module (``growtrain._x``) imported in any form, and ``alias._name`` on a name bound to a
+    growtrain module by ``import``. As ``path:line name``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out, aliases = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "growtrain":
+            parts = node.module.split(".")
+            out += [f"{path.name}:{node.lineno} {node.module}" for p in parts if _private(p)]
+            for alias in node.names:
+                if _private(alias.name):
+                    out.append(f"{path.name}:{node.lineno} {node.module}.{alias.name}")
+                elif f"{node.module}.{alias.name}" in package_modules():  # `from growtrain import crossfit`
+                    aliases.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "growtrain":
+                    out += [f"{path.name}:{node.lineno} {alias.name}" for p in alias.name.split(".") if _private(p)]
+                    aliases.add(alias.asname or alias.name.split(".")[0])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):  # growtrain.crossfit._x: the chain's first name
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in aliases:
+                out.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return sorted(out, key=lambda use: int(use.split(" ")[0].rsplit(":", 1)[1]))  # in line order
+
+
+def test_bench_scripts_import_no_private_growtrain_name():
+    scripts = sorted(BENCH_DIR.glob("*.py"))
+    assert scripts, f"no bench scripts under {BENCH_DIR}"
+    found = [use for path in scripts for use in private_growtrain_uses(path)]
+    assert not found, (
+        "bench/ uses private growtrain names; make the name public in the library (and update its callers) or "
+        "use the public API:\n" + "\n".join(found)
+    )
+
+
+def test_private_use_reader_on_a_made_up_script(tmp_path):
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(
+        """
+        import growtrain.crossfit as cf
+        from growtrain import probe_math
+        from growtrain.crossfit import normal_quantile, _hidden
+        from growtrain._secret import thing
+        from trial_study import _local  # a sibling script's name, not growtrain's
+
+        cf._check(1)
+        probe_math._inner
+        cf.__name__
+        """
+    ))  # fmt: skip
+    assert private_growtrain_uses(path) == [
+        "script.py:4 growtrain.crossfit._hidden", "script.py:5 growtrain._secret",
+        "script.py:8 cf._check", "script.py:9 probe_math._inner",
+    ]  # fmt: skip
+    path.write_text("import growtrain.crossfit as cf\nfrom growtrain.crossfit import normal_quantile\ncf.normal_quantile(0.5)\n")
+    assert private_growtrain_uses(path) == []

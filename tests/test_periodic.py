@@ -20,10 +20,8 @@ from growtrain.module import ImageClassifier
 @pytest.mark.parametrize("kw, arg", [
     ({"schedule": "weekly"}, "schedule"),
     ({"schedule": "periodic", "lr_schedule": "anneal"}, "lr_schedule"),
-    ({"schedule": "periodic", "decision": "window"}, "decision"),  # removed: its depth followed K
-    ({"schedule": "periodic", "decision": "fork"}, "decision"),  # removed: the one-block fork, likewise
+    ({"schedule": "periodic", "decision": "guess"}, "decision"),
     ({"decision": "stage_fork"}, "decision"),  # a fork is judged at the next periodic check
-    ({"schedule": "periodic", "decision": "gain"}, "decision"),
     ({"schedule": "periodic", "decision": "stage_fork", "min_gain": None}, "decision"),
 ])  # fmt: skip
 def test_bad_periodic_options_are_refused_naming_the_argument(kw, arg):

@@ -19,7 +19,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from growtrain import GrowUntilSaturated
-from growtrain.growable import GrowableStack, grown_blocks
+from growtrain.families.generic import GrowableStack
+from growtrain.growable import grown_blocks
 
 DIM, CLASSES = 6, 3
 

@@ -1,6 +1,8 @@
-"""GrowOnSchedule and the three insertions (zero, MSG mask ramp, G_stack copy), checked against
-explicit computations: the masked network against a hand-written mix of the block's plain forward,
-the copy against the neighbour's tensors, optimizer state by Adam's own step counts."""
+"""GrowOnSchedule and its insertions (zero, MSG mask ramp, G_stack copy, copy behind the ramp), checked
+against explicit computations: the masked network against a hand-written mix of the block's plain
+forward, the copy against the neighbour's tensors, optimizer state by Adam's own step counts; the plan
+refused before training; a checkpoint written mid-ramp loads as the network that was trained.
+(growtrain/insertion.py on every family: tests/test_insertion.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 from growtrain.growable import grown_blocks
-from growtrain.insertion import MaskRamp, copy_neighbour, draw_terminal, function_preserving, neighbour_block
+from growtrain.insertion import MaskRamp, copy_neighbour, detach_mask, draw_terminal, mask_value, neighbour_block
 from growtrain.models.gpt import GPT, GPTConfig
 
 
@@ -89,7 +91,6 @@ def test_copy_takes_every_tensor_of_the_block_below_or_above_at_the_bottom():
     copy_neighbour(net, bottom)
     for p, q in zip(bottom.state_dict().values(), net.transformer.h[1].state_dict().values()):
         assert torch.equal(p, q)  # the old h.0, now h.1
-    assert not function_preserving("copy") and function_preserving("mask_ramp") and function_preserving("zero")
     lone = _gpt(n_layer=1)
     with torch.no_grad():
         lone.transformer.h[0].zero_init_last()
@@ -145,19 +146,27 @@ def _trainer(tmp_path, callbacks, quiet, **kw):
 
 
 @pytest.mark.parametrize("insertion", ["zero", "copy"])
-def test_grows_at_the_fractions_with_fresh_optimizer_state(insertion, tmp_path, quiet_trainer_kwargs):
+def test_grows_at_the_fractions_with_fresh_optimizer_state(insertion, tmp_path, quiet_trainer_kwargs, caplog):
+    import logging
+
     from growtrain import GrowOnSchedule
 
-    grow = GrowOnSchedule(at=[0.25, 0.5], insertion=insertion, verbose=False)
+    grow = GrowOnSchedule(at=[0.25, 0.5], insertion=insertion, verbose=True)
     module = _lm()
     trainer = _trainer(tmp_path, [grow], quiet_trainer_kwargs, max_steps=12)
-    trainer.fit(module, datamodule=_text_data())
+    with caplog.at_level(logging.INFO):
+        trainer.fit(module, datamodule=_text_data())
     assert grow.steps == [3, 6] and [g["step"] for g in grow.growths] == [3, 6]
     assert [g["sites"] for g in grow.growths] == [["h.1"], ["h.2"]] and module.network.depth() == 3
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GrowOnSchedule: step")]
+    assert len(lines) == 2
+    assert all(g["tolerance"] >= 1e-5 for g in grow.growths)  # float32's, times the logits' scale when above 1
     if insertion == "zero":
-        assert all(g["max_abs_change"] <= 1e-6 for g in grow.growths)
-    else:
-        assert all(g["max_abs_change"] > 1e-3 for g in grow.growths)  # a copy changes the function, and says so
+        assert all(g["max_abs_change"] <= 1e-6 and g["function_preserving"] is True for g in grow.growths)
+        assert all(" function-preserving (output change on the batch 0," in line for line in lines)
+    else:  # a copy changes the function, and says so
+        assert all(g["max_abs_change"] > 1e-3 and g["function_preserving"] is False for g in grow.growths)
+        assert all("NOT function-preserving (output change on the batch" in line for line in lines)
     optimizer = trainer.optimizers[0]
     names = [g.get("name") for g in optimizer.param_groups]
     assert any(str(n).startswith("growth0") for n in names) and any(str(n).startswith("growth1") for n in names)
@@ -172,7 +181,8 @@ def test_grows_at_the_fractions_with_fresh_optimizer_state(insertion, tmp_path, 
 @pytest.mark.filterwarnings(
     r"ignore:Checkpoint directory .* exists and is not empty:UserWarning:lightning\.pytorch\.callbacks\.model_checkpoint"
 )
-def test_a_fit_cut_mid_ramp_resumes_with_the_mask_where_it_was(tmp_path, quiet_trainer_kwargs):
+@pytest.mark.parametrize("insertion", ["mask_ramp", "copy_ramp"])
+def test_a_fit_cut_mid_ramp_resumes_with_the_mask_where_it_was(insertion, tmp_path, quiet_trainer_kwargs):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -186,7 +196,7 @@ def test_a_fit_cut_mid_ramp_resumes_with_the_mask_where_it_was(tmp_path, quiet_t
 
     def fit(ckpt=None, folder="a", crash=False):
         L.seed_everything(0)
-        grow = GrowOnSchedule(at=[2], insertion="mask_ramp", ramp_steps=6, verbose=False)
+        grow = GrowOnSchedule(at=[2], insertion=insertion, ramp_steps=6, verbose=False)
         cb = [grow, RandomStateCheckpoint(), ModelCheckpoint(dirpath=tmp_path / folder, save_last=True, every_n_epochs=1)]
         module = _lm()
         kw = {**quiet_trainer_kwargs, "enable_checkpointing": True, "limit_val_batches": 0, "deterministic": True}
@@ -206,12 +216,17 @@ def test_a_fit_cut_mid_ramp_resumes_with_the_mask_where_it_was(tmp_path, quiet_t
     for p, q in zip(whole.state_dict().values(), resumed.state_dict().values()):
         if isinstance(p, torch.Tensor):
             assert torch.equal(p, q)  # the uninterrupted fit, bit for bit: the ramp went on where it was
-    assert grow.growths == [{"step": 2, "sites": ["h.1"], "depth": 2, "insertion": "mask_ramp",
-                             "max_abs_change": grow.growths[0]["max_abs_change"]}]  # fmt: skip
-    assert grow.growths[0]["max_abs_change"] <= 1e-6
-    saved = torch.load(tmp_path / "cut.ckpt", weights_only=False)["callbacks"]
-    (state,) = [v for k, v in saved.items() if k.startswith("GrowOnSchedule")]
+    record = grow.growths[0]
+    assert record == {"step": 2, "sites": ["h.1"], "depth": 2, "insertion": insertion, "max_abs_change": 0.0,
+                      "tolerance": record["tolerance"], "function_preserving": True,
+                      **({"zero": []} if insertion == "copy_ramp" else {})}  # m = 0: x + 0·(y − x) is x exactly
+    saved = torch.load(tmp_path / "cut.ckpt", weights_only=False)
+    (state,) = [v for k, v in saved["callbacks"].items() if k.startswith("GrowOnSchedule")]
     assert state["ramps"] == [{"k": 0, "start": 2}] and grow.state_dict()["ramps"] == []  # kept mid-ramp, dropped at 1
+    # the network's own state holds the mask the cut fit last trained with (step 3's: (3 − 2) / 6), a tensor
+    mask = saved["state_dict"]["network.transformer.h.1.growtrain_mask"]
+    assert isinstance(mask, torch.Tensor) and float(mask) == pytest.approx(1 / 6)
+    assert not any(k.endswith("growtrain_mask") for k in resumed.state_dict())  # ramped to 1: the key is gone
 
 
 def test_with_gradient_accumulation_a_growth_comes_right_after_an_optimizer_step(tmp_path, quiet_trainer_kwargs):
@@ -358,3 +373,140 @@ def test_cyclic_growth_spreads_a_resnets_blocks_as_the_sweep_does_and_copies_onl
     assert neighbour_block(lone, fresh) is None
     with pytest.raises(ValueError, match="no trained neighbour with its tensors"):
         copy_neighbour(lone, fresh)
+
+
+# -- the plan, refused before training ---------------------------------------------------------------------
+def _resnet_fit(tmp_path, grow, max_steps=4):
+    import lightning as L
+
+    from growtrain.data import ImageDataModule
+    from growtrain.module import ImageClassifier
+
+    L.seed_everything(0)
+    model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3)
+    dm = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=200, synthetic_classes=4, probe_size=40,
+                         val_size=20, batch_size=20, augment=False)  # fmt: skip
+    trainer = L.Trainer(max_steps=max_steps, callbacks=[grow], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+                        limit_val_batches=1)  # fmt: skip
+    return model, dm, trainer
+
+
+def _untrained(model, trainer, before):
+    assert trainer.global_step == 0 and model.network.depth() == 3 and model.network.growth_log == []
+    for (name, p), q in zip(model.state_dict().items(), before.values()):
+        assert torch.equal(p, q), name  # no optimizer step, no BatchNorm statistics moved: nothing trained
+
+
+@pytest.mark.parametrize(("site", "blocks", "match"), [
+    ("first", [1], r"site: GrowOnSchedule\(site='first'\) would insert a block at 'layer3\.0' at at\[0\] = 2 "
+                   r"\(optimizer step 2\), .*expected one of 'layer3''s sites, layer3\.1 … layer3\.1 .*given "
+                   r"'layer3\.0'\. Fix: site='last'"),
+    # the second point's sites follow the first growth: layer3 has 2 blocks then, and 3 do not interleave
+    ("interleave", [1, 3], r"blocks: site='interleave' .* grow at most 2 at once.*at\[1\] = 3 \(optimizer step 3\)"),
+])  # fmt: skip
+def test_a_site_the_network_would_not_have_is_refused_at_fit_start_before_a_step(site, blocks, match, tmp_path):
+    from growtrain import GrowOnSchedule
+
+    grow = GrowOnSchedule(at=[2, 3][: len(blocks)], blocks=blocks, site=site, verbose=False)
+    model, dm, trainer = _resnet_fit(tmp_path, grow)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(model, dm)
+    _untrained(model, trainer, before)
+
+
+def test_interleave_planned_over_the_growths_before_it_runs(tmp_path):
+    """The check follows the plan's own growth: 2 blocks interleave in layer3 once the first point gave it 2."""
+    from growtrain import GrowOnSchedule
+
+    grow = GrowOnSchedule(at=[2, 3], blocks=[1, 2], site="interleave", verbose=False)
+    model, dm, trainer = _resnet_fit(tmp_path, grow)
+    trainer.fit(model, dm)
+    assert [g["sites"] for g in grow.growths] == [["layer3.1"], ["layer3.1", "layer3.2"]]
+    assert [len(model.network.stage(s)) for s in model.network.growable_stages] == [1, 1, 4]
+
+
+def test_an_integer_point_past_the_fit_is_refused_before_training(tmp_path):
+    from growtrain import GrowOnSchedule
+
+    grow = GrowOnSchedule(at=[2, 5, 9], verbose=False)
+    model, dm, trainer = _resnet_fit(tmp_path, grow, max_steps=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"at: the point\(s\) \[5, 9\] \(optimizer steps\) lie past this fit's 4 "
+                                         r"optimizer steps .*Expected every point ≤ 4; given at=\[2, 5, 9\]\. Fix: "):
+        trainer.fit(model, dm)
+    _untrained(model, trainer, before)
+    # at the fit's last step it still grows (after that step): 4 of 4 is inside the fit
+    grow = GrowOnSchedule(at=[4], verbose=False)
+    model, dm, trainer = _resnet_fit(tmp_path, grow, max_steps=4)
+    trainer.fit(model, dm)
+    assert [g["step"] for g in grow.growths] == [4]
+
+
+# -- a checkpoint written mid-ramp -------------------------------------------------------------------------
+@pytest.mark.parametrize("insertion", ["mask_ramp", "copy_ramp"])
+def test_a_checkpoint_written_mid_ramp_loads_as_the_network_that_was_trained(insertion, tmp_path, quiet_trainer_kwargs):
+    from growtrain import GrowOnSchedule
+    from growtrain.lm import LanguageModel
+
+    grow = GrowOnSchedule(at=[2], insertion=insertion, ramp_steps=50, verbose=False)
+    module = _lm()
+    trainer = _trainer(tmp_path, [grow], quiet_trainer_kwargs, max_steps=6)
+    trainer.fit(module, datamodule=_text_data())
+    (block,) = grown_blocks(module.network)
+    assert mask_value(block) == pytest.approx((5 - 2) / 50)  # the last batch ran at step 5, 3 steps into the ramp
+    path = tmp_path / "mid.ckpt"
+    trainer.save_checkpoint(path)
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    module.eval()
+    with torch.no_grad():
+        trained = module(idx)
+        # the masked forward written out, with the mask the checkpoint holds
+        m = torch.load(path, weights_only=False)["state_dict"]["network.transformer.h.1.growtrain_mask"]
+        torch.testing.assert_close(trained, _explicit(module.network, idx, {id(block): float(m)}), rtol=1e-5, atol=1e-5)
+    state = torch.load(path, weights_only=False)["state_dict"]
+    assert all(isinstance(v, torch.Tensor) for v in state.values())
+    fresh = _lm()  # ungrown: the load replays the growth, and the mask comes with the block
+    fresh.load_state_dict(state)
+    loaded = LanguageModel.load_from_checkpoint(path)
+    for other in (fresh, loaded):
+        other.eval()
+        (theirs,) = grown_blocks(other.network)
+        assert mask_value(theirs) == mask_value(block)
+        with torch.no_grad():
+            assert torch.equal(other(idx), trained)
+    detach_mask(grown_blocks(fresh.network)[0])  # the same weights at m = 1 (what a load gave before): another network
+    with torch.no_grad():
+        assert not torch.allclose(fresh(idx), trained, atol=1e-4)
+
+
+# -- the config's budget, in blocks ------------------------------------------------------------------------
+def test_the_periodic_configs_growth_budget_comment_counts_blocks_right():
+    """configs/fmnist/periodic.yaml's max_growths counts growth events (checks that grew); its stage fork
+    inserts one block per stage, so the comment's block figure is start + max_growths × stages."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from growtrain.module import ImageClassifier
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "configs" / "fmnist" / "periodic.yaml").read_text()
+    cfg = yaml.safe_load(text)
+    grow = next(c["init_args"] for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith("GrowUntilSaturated"))
+    assert grow["decision"] == "stage_fork"
+    model = {k: v for k, v in cfg["model"]["init_args"].items() if k != "optimizer"}
+    net = ImageClassifier(**model).network
+    stages, start, n = len(net.growable_stages), net.depth(), grow["max_growths"]
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("max_growths:"))
+    comment = " ".join([lines[at].split("#", 1)[1]] + [ln.strip().lstrip("#") for ln in lines[at + 1:at + 3]
+                                                         if ln.strip().startswith("#")])  # fmt: skip
+    figure = re.search(r"at most (\d+) \+ (\d+) × (\d+) = (\d+) blocks", comment)
+    assert figure, comment
+    assert tuple(map(int, figure.groups())) == (start, n, stages, start + n * stages)  # 3 + 12 × 3 = 39
+    assert "growth events" in comment
+    row = next(ln for ln in (root / "docs" / "callback.md").read_text().splitlines() if ln.startswith("| `max_growths`"))
+    assert "growth events" in row and "one per growth" not in row

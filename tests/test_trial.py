@@ -300,7 +300,6 @@ def test_the_trial_decision_grows_and_reports_every_verdict(tmp_path):
 
 @pytest.mark.parametrize("kw, arg", [
     ({"decision": "guess"}, "decision"),
-    ({"decision": "gain"}, "decision"),
     ({"decision": "trial", "min_gain": None}, "decision"),
     ({"trial_epochs": 0}, "trial_epochs"),
     ({"trial_epochs": math.inf}, "trial_epochs"),

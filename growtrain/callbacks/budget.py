@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -44,9 +44,10 @@ from growtrain.budget import BudgetPlan, budget_verdict, carried, fork_steps, pl
 from growtrain.callbacks import editor, probe_check, telemetry
 from growtrain.callbacks.compute import _inputs, forward_flops
 from growtrain.callbacks.fork_check import PairedFork, swapped
-from growtrain.callbacks.probe_data import Converted, ProbeView, first_input, probe_sample_losses
+from growtrain.batches import to_device
+from growtrain.callbacks.probe_data import Converted, ProbeView, eval_output, first_input, probe_sample_losses
 from growtrain.fork import adopt, fork_test, make_arm
-from growtrain.growable import probe_loss_for, resolve_network
+from growtrain.growable import insertion_tolerance, probe_loss_for, resolve_network
 from growtrain.reconfigure import add_param_groups, new_param_groups
 
 __all__ = ["GrowForBudget", "INSERTIONS"]
@@ -80,6 +81,8 @@ class GrowForBudget(Callback):
     more block (one per stage) lowers the held-out loss; then train the final network for the rest of
     the budget and anneal it (see the module docstring).
 
+    The defaults were chosen on the language model's seed 0 (docs/results.md: the depth frontiers).
+
     Quick start (the budget is the trainer's; the optimizer's rate is the peak)::
 
         trainer = lightning.Trainer(max_steps=6000, callbacks=[GrowForBudget()])
@@ -89,8 +92,8 @@ class GrowForBudget(Callback):
         probe: held-out DataLoader of ``(input, target)`` in a fixed order (or a callable returning
             one); ``None``: ``trainer.datamodule.probe_dataloader()``.
         network: the growable network: ``None`` (found), a dotted attribute path, or the module.
-        loss_fn: ``loss_fn(output, target)`` → mean loss; ``None``: the module's ``probe_loss``, else
-            cross-entropy. The arm trains on it and the probe is scored with it.
+        loss_fn: ``loss_fn(output, target)`` → mean loss the probe is scored with; ``None``: the module's
+            ``probe_loss``, else cross-entropy. The arm trains on the module's own ``training_step``.
         growth_phase: fraction of the budget by which the last decision opens.
         checks: decisions in the growth phase (evenly spaced; growth ends at the first that does not grow).
         fork: fraction of the budget each decision trains over (each side).
@@ -116,9 +119,9 @@ class GrowForBudget(Callback):
     """
 
     def __init__(self, probe: Any = None, network: str | nn.Module | None = None,
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, growth_phase: float = 0.4,
-                 checks: int = 4, fork: float = 0.02, min_gain: float = 0.0, alpha: float = 0.05,
-                 insertion: str = "copy", extrapolate: bool = False, decay: float = 0.2, warmup: float = 0.01, min_lr_ratio: float = 0.1,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, growth_phase: float = 0.3,
+                 checks: int = 3, fork: float = 0.05, min_gain: float = 0.0, alpha: float = 0.05,
+                 insertion: str = "copy", extrapolate: bool = True, decay: float = 0.2, warmup: float = 0.01, min_lr_ratio: float = 0.1,
                  seed: int = 0, verbose: bool = True):  # fmt: skip
         super().__init__()
         for name, value, low, high in (("growth_phase", growth_phase, 0.0, 1.0), ("fork", fork, 0.0, 1.0),
@@ -144,7 +147,7 @@ class GrowForBudget(Callback):
         self._network: nn.Module | None = None
         self._loss: Callable | None = None
         self._flops: dict[int, float] = {}  # forward FLOPs per sample, by parameter count
-        self._saved_groups: list[list[Any]] | None = None
+        self._groups = editor.ResumeGroups()
         self._reset()
 
     # -- state ------------------------------------------------------------------------------
@@ -203,17 +206,14 @@ class GrowForBudget(Callback):
             raise RuntimeError(f"GrowForBudget: runs on one device for now (world size {trainer.world_size}): the "
                                "fork's arm is not synchronised across ranks. Fix: devices=1, or GrowUntilSaturated "
                                "under DDP/FSDP2.")  # fmt: skip
-        self._saved_groups = None
+        self._groups.forget()
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        self._saved_groups = [[g.get("name") for g in s.get("param_groups", [])]
-                              for s in checkpoint.get("optimizer_states") or []]  # fmt: skip
+        self._groups.remember(checkpoint)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        network = resolve_network(pl_module, self.network_spec, required=False)
-        if network is not None:  # a resumed grown network under a plain optimizer: growth's groups (editor.py)
-            editor.regroup_grown(trainer, pl_module, network, self._saved_groups)
-        self._saved_groups = None
+        # a resumed grown network under a plain optimizer: growth's groups (editor.py)
+        self._groups.regroup(trainer, pl_module, resolve_network(pl_module, self.network_spec, required=False))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._t0 = time.perf_counter()
@@ -245,8 +245,8 @@ class GrowForBudget(Callback):
         module = module or self._network
         key = sum(p.numel() for p in module.parameters())
         if key not in self._flops:
-            with swapped(pl_module, self._network, module):
-                self._flops[key] = float(forward_flops(pl_module, x))
+            with swapped(pl_module, self._network, module) as host:
+                self._flops[key] = float(forward_flops(host, x))
         return self._flops[key]
 
     def _progress(self, trainer: Trainer) -> float:
@@ -275,7 +275,7 @@ class GrowForBudget(Callback):
         x = _inputs(batch)
         self.spent += 3.0 * self._per_sample(pl_module, x) * int(x.shape[0])
         if self.fork_state is not None:
-            self._fork_step(trainer, pl_module, batch, x)
+            self._fork_step(trainer, pl_module, batch, batch_idx, x)
         elif self.finished is None and self.next_point < self.checks and self.spent >= self.plan.point_flops(self.next_point):
             self._open(trainer, pl_module, x)
         if self.spent >= self.plan.total_flops:
@@ -316,7 +316,9 @@ class GrowForBudget(Callback):
         batch = int(x.shape[0])
         run_step = 3.0 * self._per_sample(pl_module, x) * batch
         arm_step = 3.0 * self._per_sample(pl_module, x, self.arm) * batch
+        preserved = self._preserved(trainer, pl_module)
         self.fork_state = {"sites": sites, "k": k, "spent": self.spent, "step": int(trainer.global_step),
+                           "function_preserving": preserved,
                            "run_target": fork_steps(self.plan.fork_flops, run_step),
                            "arm_target": fork_steps(self.plan.fork_flops, arm_step), "run_steps": 0, "arm_steps": 0,
                            "last_step": int(trainer.global_step)}  # fmt: skip
@@ -326,8 +328,20 @@ class GrowForBudget(Callback):
         if self.verbose:
             f = self.fork_state
             rank_zero_info(f"GrowForBudget: decision {k + 1} at {100 * self.spent / self.plan.total_flops:.1f} % of the "
-                           f"budget: a copy with one more block at {', '.join(sites)} ({self.insertion}) trains "
+                           f"budget: a copy with one more block at {', '.join(sites)} ({self.insertion}: "
+                           f"{'function-preserving' if preserved else 'NOT function-preserving'}) trains "
                            f"{f['arm_target']} steps beside the run's {f['run_target']} (equal FLOPs)")  # fmt: skip
+
+    def _preserved(self, trainer: Trainer, pl_module: LightningModule) -> bool:
+        """Did the arm start as the run's function? Measured on the probe's first batch, not assumed."""
+        x = first_input(Converted(probe_check.probe_loader(self.probe, trainer, shard=False), trainer))
+        x = to_device(x, next(self._network.parameters()).device)
+        outs = []
+        for module in (self._network, self.arm):
+            with swapped(pl_module, self._network, module) as host:
+                outs.append(eval_output(ProbeView(host, module), x).float())
+        change = float((outs[1] - outs[0]).abs().max())
+        return math.isfinite(change) and change <= insertion_tolerance(outs[0].dtype, float(outs[0].abs().max()))
 
     def _rebuild(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """A checkpoint's open fork: the same construction, then its saved weights, optimizer state and averages."""
@@ -341,7 +355,8 @@ class GrowForBudget(Callback):
         self.half = self._pending.get("half")
         self._pending = None
 
-    def _fork_step(self, trainer: Trainer, pl_module: LightningModule, batch: Any, x: torch.Tensor) -> None:
+    def _fork_step(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
+                   x: torch.Tensor) -> None:  # fmt: skip
         start = time.perf_counter()
         f = self.fork_state
         if self.arm is None:
@@ -353,7 +368,7 @@ class GrowForBudget(Callback):
         f["run_steps"] += 1
         _ema_update(self.ema["run"], self._network, 1.0 - 4.0 / max(4.0, f["run_target"]))
         if f["arm_steps"] < f["arm_target"]:
-            self._train_arm(trainer, pl_module, batch)
+            self._train_arm(trainer, pl_module, batch, batch_idx)
             f["arm_steps"] += 1
             _ema_update(self.ema["arm"], self.arm, 1.0 - 4.0 / max(4.0, f["arm_target"]))
             if f["arm_steps"] == max(1, f["arm_target"] // 2):  # the arm halfway (in its FLOPs): kept until the run's
@@ -368,20 +383,17 @@ class GrowForBudget(Callback):
         if f["run_steps"] >= f["run_target"]:
             self._decide(trainer, pl_module)
 
-    def _train_arm(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
-        """One optimizer step of the arm on the batch the run just trained on, at the run's rate."""
+    def _train_arm(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """One optimizer step of the arm on the batch the run just trained on, at the run's rate, on the
+        module's own ``training_step`` (fork_check.PairedFork._train: logging nothing, the run untouched)."""
         network, arm = self._network, self.arm
-        x, y = trainer.precision_plugin.convert_input(batch[0]), batch[-1]
         factor = self.plan.lr_factor(self._progress(trainer) * self.plan.total_flops)
         self._set_rates(self.arm_opt, factor)
         mine = {id(p) for p in network.parameters()}
         shared = [p for p in pl_module.parameters() if p.requires_grad and id(p) not in mine]
         saved = [None if p.grad is None else p.grad.detach().clone() for p in shared]
-        arm.train(network.training)
         with probe_check.forked_rng(trainer, next(network.parameters()).device):
-            with swapped(pl_module, network, arm), trainer.precision_plugin.forward_context():
-                loss = self._loss(pl_module(x), y)
-            loss.backward()
+            PairedFork._train(trainer, pl_module, network, arm, batch, batch_idx, accumulate=1)
         for p, grad in zip(shared, saved):  # a head outside the network is the run's: the arm does not train it
             p.grad = grad
         PairedFork._step(trainer, arm, self.arm_opt)
@@ -394,8 +406,8 @@ class GrowForBudget(Callback):
         losses = []
         for module, ema in sides:
             averaged = _averaged(module, ema)
-            with swapped(pl_module, network, averaged):
-                losses.append(probe_sample_losses(trainer, ProbeView(pl_module, averaged), probe, self._loss, device)[0])
+            with swapped(pl_module, network, averaged) as host:
+                losses.append(probe_sample_losses(trainer, ProbeView(host, averaged), probe, self._loss, device)[0])
             per = self._per_sample(pl_module, first_input(Converted(probe, trainer)).to(device), module)
             self.decision_flops += per * losses[-1].numel()
             self.spent += per * losses[-1].numel()
@@ -425,14 +437,15 @@ class GrowForBudget(Callback):
         grow, certified = budget_verdict(judged["lower_frac"], judged["upper_frac"], self.min_gain)
         record = {"decision": f["k"], "spent": f["spent"] / self.plan.total_flops, "step": f["step"],
                   "depth_before": depth, "sites": list(f["sites"]), "run_steps": f["run_steps"],
-                  "arm_steps": f["arm_steps"], "extrapolated": self.extrapolate, "log2_horizon": m,
+                  "arm_steps": f["arm_steps"], "function_preserving": f.get("function_preserving"), "extrapolated": self.extrapolate, "log2_horizon": m,
                   "half_gain_frac": half["gain_frac"], "half_lower_frac": half["lower_frac"],
                   **{f"far_{k}": v for k, v in far_frac.items()},
                   **{k: test[k] for k in ("gain_frac", "lower_frac", "upper_frac", "loss_before", "loss_now", "n",
                                           "se")}}  # fmt: skip
         if grow:
             self._adopt(trainer, pl_module)
-            reason = f"grow: {what} > min_gain {100 * self.min_gain:.2f} %"
+            kept = "function-preserving" if f.get("function_preserving") else "NOT function-preserving"
+            reason = f"grow: {what} > min_gain {100 * self.min_gain:.2f} %; the run takes the arm ({kept} at insertion)"
             record.update(action="grow", depth=int(network.depth()), reason=reason)
             if self.next_point >= self.checks:
                 self.finished = "phase"

@@ -21,7 +21,8 @@ from growtrain.callbacks.probe_data import ProbeView, eval_output
 from growtrain.growable import grown_blocks, insertion_order, insertion_tolerance
 from growtrain.reconfigure import reconfigure_optimizer
 
-__all__ = ["FunctionChangedError", "insertion_order", "grow", "optimizer_for", "regroup_grown", "rewrap_ddp"]
+__all__ = ["FunctionChangedError", "ResumeGroups", "insertion_order", "grow", "optimizer_for", "regroup_grown",
+           "rewrap_ddp"]
 
 
 class FunctionChangedError(RuntimeError):
@@ -130,6 +131,28 @@ def regroup_grown(trainer: Trainer, pl_module: LightningModule, network: nn.Modu
                        f"do not line up with the checkpoint's {list(names)}; Lightning's restore of the optimizer "
                        "state may fail or misplace it. Fix: build the optimizer from growtrain.optim.param_groups(network).")
     return len(added)
+
+
+class ResumeGroups:
+    """What every growth callback does on resume, in one place: ``remember`` the checkpoint's optimizer
+    group names (``on_load_checkpoint``, which Lightning calls before ``on_fit_start``), then
+    ``regroup`` a plain optimizer of the rebuilt grown network into growth's groups (``on_fit_start``,
+    between ``configure_optimizers`` and the restore of the optimizer state: :func:`regroup_grown`)."""
+
+    def __init__(self) -> None:
+        self.saved: list[list[Any]] | None = None
+
+    def remember(self, checkpoint: dict[str, Any]) -> None:
+        self.saved = [[g.get("name") for g in state.get("param_groups", [])]
+                      for state in checkpoint.get("optimizer_states") or []]  # fmt: skip
+
+    def forget(self) -> None:
+        self.saved = None
+
+    def regroup(self, trainer: Trainer, pl_module: LightningModule, network: nn.Module | None) -> int:
+        added = regroup_grown(trainer, pl_module, network, self.saved) if network is not None else 0
+        self.saved = None
+        return added
 
 
 def rewrap_ddp(trainer: Trainer) -> None:

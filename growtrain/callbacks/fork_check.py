@@ -3,11 +3,12 @@
 A collaborator with its own state. At a check with no fork open it opens one with one more block at
 the best first-order site of every stage (growtrain.fork says what a fork is); on every training batch after that the
 arm takes one optimizer step on the batch the run just trained on, as the training step received
-it (after the batch hooks and the transfer), under the trainer's precision context, at the run's
-rate at that step, with the trainer's gradient clipping. Over the horizon's last eighth a copy of
-the run and a copy of the arm, each with a copy of its optimizer, are *cooled*: trained on the
-same batches with their rates annealed to zero (a cosine), while the run and the arm go on at the
-run's rate. At the next check the two cooled copies are scored on the probe and the verdict is
+it (after the batch hooks and the transfer), on the module's own objective (its ``training_step``
+run with the arm in the network's place, logging nothing: ``untouched``), under the trainer's
+precision context, at the run's rate at that step, with the trainer's gradient clipping. Over the
+horizon's last eighth a copy of the run and a copy of the arm, each with a copy of its optimizer,
+are *cooled*: trained on the same batches with their rates annealed to zero (a cosine), while the
+run and the arm go on at the run's rate. At the next check the two cooled copies are scored on the probe and the verdict is
 ``growtrain.fork.fork_verdict``'s: grow (the run grows the same block and takes the arm's weights
 and optimizer state, not the cooled copy's, so the compute the arm spent is kept and the run stays
 at its own rate), or the blocks did not pay: the arm is dropped (the run is the control, trained as
@@ -35,10 +36,12 @@ import copy
 import math
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import nn
+from torchmetrics import Metric
 
 from growtrain.callbacks.editor import optimizer_for
 from growtrain.callbacks.probe_check import forked_rng
@@ -47,7 +50,7 @@ from growtrain.callbacks.trial_check import trial_candidates
 from growtrain.fork import adopt, copy_optimizer, fork_test, fork_verdict, make_arm, mirror_lrs, warmup
 from growtrain.reconfigure import add_param_groups, new_param_groups
 
-__all__ = ["PairedFork", "swapped", "cosine", "COOL_FRACTION", "WARMUP_FRACTION"]
+__all__ = ["PairedFork", "swapped", "untouched", "cosine", "COOL_FRACTION", "WARMUP_FRACTION"]
 
 # The block's rate ramps up linearly over this fraction of the horizon (growtrain.fork.warmup says why).
 WARMUP_FRACTION = 0.5
@@ -62,23 +65,83 @@ def cosine(step: int, steps: int) -> float:
 
 
 @contextmanager
-def swapped(module: nn.Module, network: nn.Module, replacement: nn.Module) -> Iterator[None]:
-    """``module``'s forward runs ``replacement`` where it runs ``network`` (a submodule, matched by
-    identity); everything outside the network is the module's own (shared, and not trained by
-    the arm)."""
+def swapped(module: nn.Module, network: nn.Module, replacement: nn.Module) -> Iterator[nn.Module]:
+    """The module whose forward and ``training_step`` run ``replacement`` where ``module`` runs
+    ``network``: ``module`` itself with ``replacement`` swapped in for its submodule ``network``
+    (matched by identity; everything outside the network is the module's own, shared and not
+    trained by the arm); or, when the module *is* the growable network, ``replacement`` itself (a
+    copy of the whole module then, made by ``make_arm``/``_copy``), with the module's trainer
+    attached while it runs (a ``training_step`` may read ``self.trainer``). Why not a swap there:
+    there is no attribute to swap, and running the module would run the run's own weights, so the
+    arm would be trained and scored as the run (a gain of exactly 0: "certified saturation")."""
     if module is network:
-        yield
+        if replacement is module:
+            yield module
+            return
+        attach = "_trainer" in vars(replacement)  # a LightningModule's copy: deepcopy left its trainer None
+        if attach:
+            replacement._trainer = vars(module).get("_trainer")
+        try:
+            yield replacement
+        finally:
+            if attach:
+                replacement._trainer = None  # a copy that holds no trainer deep-copies and saves as it did
         return
     for name, parent in module.named_modules(remove_duplicate=False):
         for child_name, child in parent.named_children():
             if child is network:
                 setattr(parent, child_name, replacement)
                 try:
-                    yield
+                    yield module
                 finally:
                     setattr(parent, child_name, network)
                 return
     raise RuntimeError("fork: the growable network is not a submodule of the LightningModule; the arm cannot run")
+
+
+def _log_nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _kept(name: str, value: Any, metric: bool) -> Any:
+    # a metric updates its states in place (``self.total += x``, ``self.preds.append(x)``): keep copies of those;
+    # so may a step with a container of its own (``self.seen.append(...)``): a shallow copy of a public list,
+    # dict or set (torch's own ``_modules``/``_parameters``/... are kept as they are)
+    if metric and torch.is_tensor(value):
+        return value.clone()
+    if isinstance(value, (list, dict, set)) and (metric or not name.startswith("_")):
+        return copy.copy(value)
+    return value
+
+
+@contextmanager
+def untouched(host: nn.Module, inside: nn.Module) -> Iterator[None]:
+    """``host.training_step`` called for a copy (an arm or a cooled side, ``inside``): its
+    ``self.log``/``self.log_dict`` log nothing, and every module of ``host`` outside ``inside`` gets
+    its plain attributes back afterwards — a torchmetrics metric's running state and a public list,
+    dict or set (updated in place, so copied), a figure the step caches on the module — so what the run logs and keeps is the run's
+    alone. Parameters' gradients outside ``inside`` are the caller's (``batch_end``)."""
+    mine = {id(m) for m in inside.modules()}
+    saved = [(m, {k: _kept(k, v, isinstance(m, Metric)) for k, v in vars(m).items()})
+             for m in host.modules() if id(m) not in mine]  # fmt: skip
+    own = {k: vars(host)[k] for k in ("log", "log_dict") if k in vars(host)}
+    vars(host).update(log=_log_nothing, log_dict=_log_nothing)  # instance attributes shadow the methods
+    try:
+        yield
+    finally:
+        for key in ("log", "log_dict"):
+            vars(host).pop(key, None)
+        vars(host).update(own)
+        for module, attrs in saved:
+            for key in [k for k in vars(module) if k not in attrs]:
+                del vars(module)[key]
+            vars(module).update(attrs)
+
+
+def _step_args(host: Any, batch: Any, batch_idx: int) -> tuple:
+    # as Lightning calls it: the batch index only when training_step takes a second argument
+    takes_index = is_param_in_hook_signature(host.training_step, "batch_idx", min_args=2)
+    return (batch, batch_idx) if takes_index else (batch,)
 
 
 def _copy(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[nn.Module, Any]:
@@ -164,6 +227,15 @@ class PairedFork:
         self._optimizer = optimizer
         return refs
 
+    @staticmethod
+    def check_module(pl_module: Any) -> None:
+        """At setup, before training: the arm steps through the module's ``training_step``, which
+        under manual optimization steps the run's own optimizer (``self.optimizers()``)."""
+        if not getattr(pl_module, "automatic_optimization", True):
+            raise RuntimeError(f"decision: 'stage_fork' trains its arm through {type(pl_module).__name__}."
+                               "training_step, which under automatic_optimization=False would step the run's own "
+                               "optimizer. Fix: use automatic optimization, or decision='trial'.")  # fmt: skip
+
     def first_sites(self, report: Any) -> list[str] | None:
         """Where a fork opens after a growth or at the first check: the best first-order site of every stage."""
         return trial_candidates(report, limit=len(report.sites)) or None
@@ -221,13 +293,19 @@ class PairedFork:
         self.cool_steps = 0
 
     @staticmethod
-    def _train(trainer: Any, pl_module: Any, network: nn.Module, module: nn.Module, x: Any, y: Any,
-               loss_fn: Any, accumulate: int) -> None:  # fmt: skip
-        """Forward and backward of ``module`` in the network's place on the batch."""
+    def _train(trainer: Any, pl_module: Any, network: nn.Module, module: nn.Module, batch: Any, batch_idx: int,
+               accumulate: int) -> None:  # fmt: skip
+        """Forward and backward of the module's own training objective — its ``training_step``, as
+        the run's step called it, logging nothing — with ``module`` in the network's place. Why
+        not the probe loss: label smoothing, an auxiliary loss or mixup in the step would then have
+        the arm optimise another objective than the run, and the fork judge that difference."""
         module.train(network.training)
-        with swapped(pl_module, network, module), trainer.precision_plugin.forward_context():
-            loss = loss_fn(pl_module(x), y)
-        (loss / accumulate).backward()
+        with swapped(pl_module, network, module) as host, untouched(host, module), \
+                trainer.precision_plugin.train_step_context():  # fmt: skip
+            out = host.training_step(*_step_args(host, batch, batch_idx))
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if loss is not None:  # None: the step skips the batch, as Lightning skips it for the run
+            (loss / accumulate).backward()
 
     @staticmethod
     def _step(trainer: Any, module: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -246,10 +324,10 @@ class PairedFork:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def batch_end(self, trainer: Any, pl_module: Any, network: nn.Module, batch: Any, loss_fn: Any, *,
+    def batch_end(self, trainer: Any, pl_module: Any, network: nn.Module, batch: Any, batch_idx: int, *,
                   horizon_steps: int | None = None) -> None:  # fmt: skip
         """One step of the arm (and of the cooled copies, once made) on the batch the run just
-        trained on (when the run stepped its optimizer)."""
+        trained on (when the run stepped its optimizer), on the module's ``training_step``."""
         if self.site is None:
             return
         start = time.perf_counter()
@@ -257,7 +335,6 @@ class PairedFork:
             self._rebuild(pl_module, network, optimizer_for(trainer, network))
             self._last_step = int(trainer.global_step) - 1
         accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
-        x, y = trainer.precision_plugin.convert_input(batch[0]), batch[-1]
         length = self.cool_length(horizon_steps)
         cooling = self.cool is not None and self.cool_steps < (length or 0)  # once annealed, it waits for the check
         sides = [self.arm] + ([m for m, _ in self.cool] if cooling else [])
@@ -269,7 +346,7 @@ class PairedFork:
         saved = [None if p.grad is None else p.grad.detach().clone() for p in shared]
         with forked_rng(trainer, next(network.parameters()).device):
             for module in sides:
-                self._train(trainer, pl_module, network, module, x, y, loss_fn, accumulate)
+                self._train(trainer, pl_module, network, module, batch, batch_idx, accumulate)
         for p, grad in zip(shared, saved):
             p.grad = grad
         stepped = int(trainer.global_step) != self._last_step  # the run stepped its optimizer on this batch
@@ -302,8 +379,8 @@ class PairedFork:
         out = []
         # under DDP each rank scores its shard and the shards are all-gathered (FSDP2 is refused for the fork)
         for module in (control, arm):
-            with swapped(pl_module, network, module):
-                out.append(probe_sample_losses(trainer, ProbeView(pl_module, module), probe, loss_fn, device)[0])
+            with swapped(pl_module, network, module) as host:
+                out.append(probe_sample_losses(trainer, ProbeView(host, module), probe, loss_fn, device)[0])
         return out[0], out[1]
 
     # -- a check ----------------------------------------------------------------------------

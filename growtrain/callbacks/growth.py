@@ -123,6 +123,8 @@ class GrowUntilSaturated(Callback):
         verbose: one table per check and a summary at the end of the fit (rank 0).
 
     Attributes:
+        config: the options, validated (``GrowthConfig``, frozen); each is also readable, read-only, as
+            ``callback.<option>`` (``network`` as ``network_spec``; ``lr_schedule`` as in force this fit).
         history: one plain dict per check (``epoch``, ``step``, ``site``, ``gamma``, ``threshold``,
             ``saturated`` (true only where ``certified``), ``certified``, ``params``, ``depth``,
             ``reason``, ``verdicts``, ``trial`` / ``fork``, ``action``, ...).
@@ -157,37 +159,43 @@ class GrowUntilSaturated(Callback):
         verbose: bool = True,
     ):
         super().__init__()
-        options = dict(locals())
-        for name in ("self", "__class__"):
-            options.pop(name, None)
-        self.config = GrowthConfig(**options)
-        for name in GrowthConfig.names():  # the validated options as attributes (callback.rule, ...)
-            setattr(self, "network_spec" if name == "network" else name, getattr(self.config, name))
+        # The options, validated once and kept in one place: the parts below are built from this config and the
+        # options read back through it (read-only properties, after the class), so nothing can change one copy
+        # of an option and not the others. lr_schedule=None is resolved per fit into the schedule (lr_schedule).
+        self._config = GrowthConfig(
+            probe=probe, network=network, loss_fn=loss_fn, schedule=schedule, every_n_epochs=every_n_epochs,
+            min_steps_between_checks=min_steps_between_checks, monitor=monitor, mode=mode, patience=patience,
+            min_rel_delta=min_rel_delta, min_stage_epochs=min_stage_epochs, delta=delta, alpha=alpha, t=t, rule=rule,
+            min_gain=min_gain, decision=decision, trial_epochs=trial_epochs, max_growths=max_growths,
+            max_params=max_params, on_saturated=on_saturated, anneal_epochs=anneal_epochs, lr_schedule=lr_schedule,
+            seed=seed, verbose=verbose,
+        )  # fmt: skip
+        c = self._config
         self._network: nn.Module | None = None
         self._loss: Callable | None = None
         # the schedule: when a check comes (its plateau and anneal parts kept here by name too)
-        self._monitor = StageMonitor(self.monitor, self.mode, self.patience, self.min_rel_delta)
-        self._anneal = LrAnneal(self.anneal_epochs)
+        self._monitor = StageMonitor(c.monitor, c.mode, c.patience, c.min_rel_delta)
+        self._anneal = LrAnneal(c.anneal_epochs)
         self._schedule = CheckSchedule(
-            kind=self.schedule, every_n_epochs=self.every_n_epochs, min_stage_epochs=self.min_stage_epochs,
-            lr_schedule=self.lr_schedule, on_saturated=self.on_saturated, monitor=self._monitor, anneal=self._anneal,
-            min_steps_between_checks=self.min_steps_between_checks)
+            kind=c.schedule, every_n_epochs=c.every_n_epochs, min_stage_epochs=c.min_stage_epochs,
+            lr_schedule=c.lr_schedule, on_saturated=c.on_saturated, monitor=self._monitor, anneal=self._anneal,
+            min_steps_between_checks=c.min_steps_between_checks)
         # the decision: one interface, judge(CheckInputs) → (verdict, sites, record entry)
         self._decider = {
-            "trial": lambda: BlockTrials(epochs=self.trial_epochs, lr=DEFAULT_TRIAL_LR, sites=TRIAL_SITES,
-                                         min_gain=self.min_gain, seed=self.seed),
+            "trial": lambda: BlockTrials(epochs=c.trial_epochs, lr=DEFAULT_TRIAL_LR, sites=TRIAL_SITES,
+                                         min_gain=c.min_gain, seed=c.seed),
             "rule": FirstOrderRule,
-            "stage_fork": lambda: PairedFork(min_gain=self.min_gain, seed=self.seed, horizon=(
-                f"{self.every_n_epochs} epoch(s)" if self.min_steps_between_checks is None
-                else f"{self.min_steps_between_checks}+ optimizer step(s)")),
-        }[self.decision]()  # fmt: skip
+            "stage_fork": lambda: PairedFork(min_gain=c.min_gain, seed=c.seed, horizon=(
+                f"{c.every_n_epochs} epoch(s)" if c.min_steps_between_checks is None
+                else f"{c.min_steps_between_checks}+ optimizer step(s)")),
+        }[c.decision]()  # fmt: skip
         self._trials = self._decider if isinstance(self._decider, BlockTrials) else None
         self._fork = self._decider if isinstance(self._decider, PairedFork) else None
         self._reset_state()
         self.probe_seconds = 0.0  # wall time inside measure_saturation, this process (earlier ones: _before)
         self._fit_start = 0.0
         self._rng_state: RandomStateCheckpoint | None = None  # set per fit in setup
-        self._saved_groups: list[list[Any]] | None = None  # a resumed checkpoint's optimizer group names
+        self._groups = editor.ResumeGroups()  # a resumed checkpoint's optimizer group names
         self._first = True  # the first GrowUntilSaturated of its trainer (set in setup)
 
     # -- checkpoint state ------------------------------------------------------------------
@@ -260,7 +268,7 @@ class GrowUntilSaturated(Callback):
         # The random state in every checkpoint, back on resume, so a resumed fit draws the uninterrupted fit's
         # batches (and makes its checks): RandomStateCheckpoint's work, done here unless the trainer has one of its
         # own (growtrain's trainers add it), by the first GrowUntilSaturated only.
-        self._saved_groups = None  # a resumed fit's come with on_load_checkpoint, after this hook
+        self._groups.forget()  # a resumed fit's come with on_load_checkpoint, after this hook
         callbacks = getattr(trainer, "callbacks", None) or []
         first = next((cb for cb in callbacks if isinstance(cb, GrowUntilSaturated)), self)
         self._first = first is self
@@ -274,6 +282,8 @@ class GrowUntilSaturated(Callback):
             raise RuntimeError(f"precision: decision='stage_fork' does not scale the arm's loss, so under "
                                f"precision={trainer.precision!r} (a loss-scaled float16) its gradients could underflow. "
                                "Fix: pass precision='bf16-mixed' or '32-true', or decision='trial'.")  # fmt: skip
+        if self._fork is not None:
+            self._fork.check_module(pl_module)
         self._network = self._resolve_network(pl_module, required=not self._builds_late(pl_module))
         if sharded.is_model_parallel(trainer.strategy):  # resume: grow to the checkpoint's depth before the shards load
             sharded.install_resume(trainer, lambda: self._network or self._resolve_network(pl_module, required=True))
@@ -285,10 +295,7 @@ class GrowUntilSaturated(Callback):
         self._monitor.fit_start()
         # a plain optimizer over self.parameters() of a grown network: growth's groups, before Lightning
         # restores a checkpoint's optimizer state by position (this hook runs between the two)
-        network = self._network or self._resolve_network(pl_module, required=False)
-        if network is not None:
-            editor.regroup_grown(trainer, pl_module, network, self._saved_groups)
-        self._saved_groups = None
+        self._groups.regroup(trainer, pl_module, self._network or self._resolve_network(pl_module, required=False))
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # The growth record beside the weights, for any module (the network's extra state carries it in the state
@@ -300,8 +307,7 @@ class GrowUntilSaturated(Callback):
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # the saved optimizers' group names: on_fit_start lines a plain optimizer up with them
-        self._saved_groups = [[g.get("name") for g in state.get("param_groups", [])]
-                              for state in checkpoint.get("optimizer_states") or []]  # fmt: skip
+        self._groups.remember(checkpoint)
         if self._rng_state is not None:
             self._rng_state.on_load_checkpoint(trainer, pl_module, checkpoint)
 
@@ -342,8 +348,7 @@ class GrowUntilSaturated(Callback):
                 "annealed stage, and a trial block trained with its own anneal may be credited with what annealing "
                 "gives. Fix: return no lr_scheduler from configure_optimizers (lr_schedule='anneal' then anneals each "
                 "stage before its check), or pass lr_schedule='continue' to keep your schedule.", category=UserWarning)
-        self.lr_schedule = resolved
-        self._schedule.lr_schedule = resolved
+        self._schedule.lr_schedule = resolved  # the one resolved value (lr_schedule reads it); the config keeps None
 
     @staticmethod
     def _builds_late(pl_module: LightningModule) -> bool:
@@ -374,7 +379,7 @@ class GrowUntilSaturated(Callback):
                            batch_idx: int) -> None:  # fmt: skip
         self._monitor.batch_end(outputs)
         if self._fork is not None and self._fork.site is not None:  # the fork's arm trains on the same batch
-            self._fork.batch_end(trainer, pl_module, self._network, batch, self._loss,
+            self._fork.batch_end(trainer, pl_module, self._network, batch, batch_idx,
                                  horizon_steps=self._horizon_steps(trainer))
 
     def _horizon_steps(self, trainer: Trainer) -> int | None:
@@ -394,6 +399,23 @@ class GrowUntilSaturated(Callback):
             trainer.should_stop = True
         elif what is not None:
             self._check(trainer, pl_module, annealed=what == "check_annealed")
+
+    @property
+    def config(self) -> GrowthConfig:
+        """The options as given and validated (frozen): the one place they are kept."""
+        return self._config
+
+    @property
+    def lr_schedule(self) -> str | None:
+        """The rate policy in force: the ``lr_schedule`` option, or — given as ``None`` under the
+        converged schedule — the one each fit resolved at its start against the module's optimizer
+        (``None`` before the first fit). It is the schedule's own value, so what the callback reports
+        is what the schedule does; ``config.lr_schedule`` keeps the option as given."""
+        return self._schedule.lr_schedule
+
+    @lr_schedule.setter
+    def lr_schedule(self, value: Any) -> None:
+        _read_only("lr_schedule")
 
     @property
     def epochs_since_check(self) -> int:
@@ -590,3 +612,24 @@ class GrowUntilSaturated(Callback):
         telemetry.write_history(path, self.history)
         if self.verbose:
             telemetry.print_renderable(trainer, telemetry.check_table(report, record))
+
+
+def _read_only(name: str) -> None:
+    raise AttributeError(f"{name}: GrowUntilSaturated's options are read-only after construction (its parts were built "
+                         f"from them, so a changed value would reach some and not others). Fix: build a new "
+                         f"GrowUntilSaturated({name}=...) with the value.")  # fmt: skip
+
+
+def _option(name: str) -> property:
+    return property(lambda self: getattr(self.config, name), lambda self, value: _read_only(name),
+                    doc=f"The ``{name}`` option as validated (``config.{name}``); read-only.")  # fmt: skip
+
+
+# Every option readable on the callback (callback.min_gain, ...), through its config: the growable network's
+# option as network_spec (the resolved network is found per fit), lr_schedule as resolved (the property above).
+for _name in GrowthConfig.names():
+    _attr = "network_spec" if _name == "network" else _name
+    if _name != "lr_schedule":
+        assert not hasattr(GrowUntilSaturated, _attr), _attr  # no hook or property of the class is shadowed
+        setattr(GrowUntilSaturated, _attr, _option(_name))
+del _name, _attr

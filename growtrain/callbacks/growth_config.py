@@ -25,8 +25,7 @@ MODES = ("min", "max")
 # "trial": every check trains candidate blocks alone and grows iff one certifies min_gain (the default,
 # docs/decision.md); "rule": the first-order rule alone; "stage_fork" (schedule="periodic"): the run against
 # a copy with one more block in every stage, trained on the same batches until the next check, compared on
-# the probe (growtrain/fork.py). The window rule and the one-block fork were removed: their depth followed
-# the check interval, not the data (docs/results/history.md).
+# the probe (growtrain/fork.py).
 DECISIONS = ("trial", "rule", "stage_fork")
 # The first-order rules a check decides or chooses its site by (the relative rule stays a reported verdict of
 # growtrain measure and measure_saturation, not a callback option: docs/results/history.md).
@@ -143,9 +142,6 @@ class GrowthConfig:
         rule = self.rule
         if rule is None:  # t is the paper rule's threshold: giving it asks for that rule
             object.__setattr__(self, "rule", rule := "paper" if self.t is not None else DEFAULT_RULE)
-        if rule == "relative":
-            raise _bad("rule", f"one of {CALLBACK_RULES}", rule, "pass rule='crossfit' (the relative rule was removed "
-                       "from the callback: docs/results/history.md; growtrain measure still reports it)")  # fmt: skip
         _choice("rule", rule, CALLBACK_RULES)
         object.__setattr__(self, "min_gain", check_min_gain(self.min_gain))
         if self.t is not None and rule != "paper":
@@ -168,6 +164,14 @@ class GrowthConfig:
             raise _bad("verbose", "True or False", self.verbose, "pass verbose=True")
         _int("seed", self.seed, 0)
         self._check_decision()
+        if self.delta != type(self).delta and self.decision != "rule":  # the class attribute: the field's default
+            # the trial and the fork grow on a certified gain over min_gain, and rank the sites by a lower bound δ
+            # does not move: δ reaches only the first-order verdict each check reports
+            warnings.warn(f"GrowUntilSaturated: delta={self.delta!r} only changes the reported first-order verdict: "
+                          f"under decision={self.decision!r} a block grows when it certifies min_gain of the probe "
+                          "loss, and the sites are ranked by a lower bound that delta does not move. Fix: drop delta, "
+                          "or pass decision='rule' to decide by the first-order rule with this margin.", UserWarning,
+                          stacklevel=4)  # fmt: skip
         for name in ("min_rel_delta", "delta", "alpha"):
             object.__setattr__(self, name, float(getattr(self, name)))
 
@@ -176,19 +180,6 @@ class GrowthConfig:
         periodic = self.schedule == "periodic"
         if decision is None:  # min_gain=None asks for the first-order rule alone
             decision = "rule" if self.min_gain is None else "stage_fork" if periodic else "trial"
-        if decision == "gain":
-            raise _bad("decision", f"one of {DECISIONS}", decision, "pass decision='trial' (the block's own value "
-                       "replaced the stage's realized gain: docs/results/history.md), or schedule='periodic'")  # fmt: skip
-        if decision in ("window", "fork"):
-            raise _bad("decision", f"one of {DECISIONS}", decision, "pass decision='stage_fork' (the paired fork with one "
-                       "more block in every stage) or decision='trial'; the window rule and the one-block fork were "
-                       "removed because the depth they found followed every_n_epochs, not the data "
-                       "(docs/results/history.md)")  # fmt: skip
-        if decision == "probation":
-            raise _bad("decision", f"one of {DECISIONS}", decision, "pass decision='stage_fork' or decision='trial'; the "
-                       "block on probation (trained with the run, each sample skipping it half the time, scored with "
-                       "and without it) was removed because the network without the blocks scored as well as with "
-                       "them, so it stopped at 3 blocks on the full data (docs/results/history.md)")  # fmt: skip
         _choice("decision", decision, DECISIONS)
         if decision == "stage_fork" and not periodic:
             raise _bad("decision", f"{decision!r} only with schedule='periodic' (a fork opened at one check is judged at the "

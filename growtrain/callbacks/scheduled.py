@@ -6,7 +6,11 @@ on growtrain's editor: at each point of ``at`` (fractions of the fit's optimizer
 inserts ``blocks`` blocks (``site``: at the top, the bottom, or one after each of evenly spaced
 existing blocks), gives them zero optimizer state in groups of their own, continues the schedules,
 and starts them as ``insertion`` says (growtrain/insertion.py: the paper's zero terminal map, an MSG
-mask ramp, or a G_stack copy of the neighbour, which changes the function and is logged as doing so).
+mask ramp, a G_stack copy of the neighbour, or that copy behind the mask ramp). Every growth records
+whether it left the network's output unchanged, measured on the batch, not assumed from the kind.
+
+The whole plan is checked when the fit starts, before a step is trained: every point of ``at`` must
+fall inside the fit, and every site it would grow at must be a candidate site of the network then.
 
 It certifies nothing: ``GrowUntilSaturated`` is the decision. docs/results.md's language-model
 section measures both against scratch for the same FLOPs.
@@ -14,7 +18,7 @@ section measures both against scratch for the same FLOPs.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -26,9 +30,9 @@ from growtrain.batches import to_device
 from growtrain.callbacks import editor, sharded
 from growtrain.callbacks.compute import _inputs
 from growtrain.callbacks.probe_data import ProbeView, eval_output
-from growtrain.growable import grown_blocks, resolve_network
+from growtrain.growable import grown_blocks, insertion_tolerance, resolve_network
 
-__all__ = ["GrowOnSchedule", "schedule_sites"]
+__all__ = ["GrowOnSchedule", "plan_growth", "schedule_sites"]
 
 Placement = Literal["last", "first", "interleave", "cyclic"]
 
@@ -51,30 +55,53 @@ def schedule_sites(depth: int, n: int, site: str, stage: str = "h") -> list[str]
     return [f"{stage}.{j}" for j in after]
 
 
+def plan_growth(stages: Sequence[str], lengths: Mapping[str, int], grown: int, n: int, site: str) -> list[list[str]]:
+    """One growth of ``n`` blocks as the editor calls that make it: lists of site names, each list
+    inserted at once (its names index the stage as it was before that call).
+
+    ``stages``: the network's growable stages in order; ``lengths``: blocks per stage now; ``grown``:
+    blocks the network has grown so far (``len(growth_log)``), which ``"cyclic"`` counts from.
+    """
+    if site == "cyclic":  # block k of the network's growth on top of stage k mod S, one editor call each
+        picks = [stages[(grown + i) % len(stages)] for i in range(n)]
+        return [[f"{st}.{lengths[st] + picks[:i].count(st)}"] for i, st in enumerate(picks)]
+    stage = stages[-1]  # the last stage: a decoder has one
+    sites = schedule_sites(lengths[stage], n, site, stage)
+    # one editor call per block at a repeated site ("last", "first"); one for distinct sites
+    return [[s] for s in sites] if len(set(sites)) < len(sites) else [sites]
+
+
 class GrowOnSchedule(Callback):
     """Insert blocks at set points of the fit (no test): the schedule-based growth of G_stack, MSG and Bu.
 
     Args:
         at: when to grow: fractions in (0, 1) of the fit's optimizer steps
-            (``trainer.estimated_stepping_batches``), or optimizer-step counts (integers ≥ 1).
+            (``trainer.estimated_stepping_batches``), or optimizer-step counts (integers ≥ 1, none past
+            the fit's last step: checked when the fit starts).
         blocks: blocks inserted at each point (one number for all, or one per point).
         site: ``"last"`` (on top, the default), ``"first"``, or ``"interleave"`` (one after each of
             evenly spaced existing blocks) in the last stage; ``"cyclic"``: the network's ``k``-th
             inserted block on top of stage ``k mod S`` of its ``S`` stages (a ResNet's blocks spread as
-            a depth sweep's ``added`` spreads them; one stage: ``"last"``).
-        insertion: ``"zero"`` (the paper's zero terminal map), ``"mask_ramp"`` (MSG: a random terminal
+            a depth sweep's ``added`` spreads them; one stage: ``"last"``). Every planned site must be a
+            candidate site of the network (``"first"`` is not on a ResNet, whose last stage begins with a
+            stride-2 transition): checked when the fit starts.
+        insertion: ``"zero"`` (the paper's zero terminal map), ``"mask_ramp"`` (MSG: a fresh terminal
             map behind a mask ramped 0 → 1 over ``ramp_steps``), ``"copy"`` (G_stack: the neighbour's
-            weights; changes the network's output).
-        ramp_steps: optimizer steps of the ``mask_ramp``.
+            weights; changes the network's output), ``"copy_ramp"`` (the neighbour's weights behind the
+            mask ramp). growtrain/insertion.py says what each does.
+        ramp_steps: optimizer steps of the ``mask_ramp`` / ``copy_ramp`` masks.
         network: the growable network: ``None`` (found), a dotted attribute path, or the module.
         seed: new block ``k`` draws from ``seed·1000 + k``.
-        verbose: one line per growth (rank 0).
+        verbose: one line per growth (rank 0), saying whether it preserved the function.
 
     Attributes:
         growths: one dict per growth: ``step``, ``sites``, ``depth``, ``insertion``, ``max_abs_change``
-            (the output's change on the batch at insertion: 0 up to rounding unless ``copy``) and, for
-            ``copy``, ``zero``: the sites whose block had no block of its shape in its stage to copy
-            (a ResNet stage's first added block: only the stride-2 transition is below it), left at zero.
+            (the output's change on the batch over the whole growth, in eval mode), ``tolerance``
+            (``growtrain.growable.insertion_tolerance`` of the output's dtype and scale) and
+            ``function_preserving`` (``max_abs_change ≤ tolerance``, measured). For ``copy`` and
+            ``copy_ramp``, ``zero``: the sites whose block had no block of its shape in its stage to copy
+            (a ResNet stage's first added block: only the stride-2 transition is below it), left at zero
+            (and unmasked).
     """
 
     def __init__(self, at: Sequence[float | int], blocks: int | Sequence[int] = 1, site: Placement = "last",
@@ -102,7 +129,8 @@ class GrowOnSchedule(Callback):
         self.ramp_steps = ramp_steps
         self.network_spec, self.seed, self.verbose = network, int(seed), bool(verbose)
         self._network: nn.Module | None = None
-        self._saved_groups: list[list[Any]] | None = None
+        self._groups = editor.ResumeGroups()
+        self._checked = False  # the plan checked against this fit (at its start)
         self.steps: list[int] | None = None  # ``at`` in optimizer steps, fixed at the first fit start
         self.done = 0  # points of ``at`` reached
         self.growths: list[dict] = []
@@ -120,8 +148,7 @@ class GrowOnSchedule(Callback):
         self._ramps = [dict(r) for r in state_dict.get("ramps", [])]
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        self._saved_groups = [[g.get("name") for g in state.get("param_groups", [])]
-                              for state in checkpoint.get("optimizer_states") or []]  # fmt: skip
+        self._groups.remember(checkpoint)
 
     # -- hooks ---------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -135,25 +162,18 @@ class GrowOnSchedule(Callback):
         if self.insertion != "zero" and sharded.is_model_parallel(trainer.strategy):
             raise RuntimeError(f"insertion: {self.insertion!r} writes whole tensors into the new block, which "
                                "FSDP2 shards; use insertion='zero' under ModelParallelStrategy")  # fmt: skip
-        self._saved_groups = None
+        self._groups.forget()
+        self._checked = False
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         network = resolve_network(pl_module, self.network_spec, required=False)
-        if network is not None:  # a plain optimizer of a resumed grown network: growth's groups (editor.py)
-            editor.regroup_grown(trainer, pl_module, network, self._saved_groups)
-        self._saved_groups = None
+        self._groups.regroup(trainer, pl_module, network)  # a resumed grown network: growth's groups (editor.py)
+        if network is not None:
+            self._check_plan(trainer, network)  # before the sanity check and the first step
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._network = resolve_network(pl_module, self.network_spec, required=True)
-        if self.steps is None:
-            if isinstance(self.at[0], float):
-                total = trainer.estimated_stepping_batches
-                if not isinstance(total, (int, float)) or total == float("inf"):
-                    raise ValueError("at: fractions need a fit of known length; set max_steps or max_epochs, or give "
-                                     "at as optimizer steps")  # fmt: skip
-                self.steps = [max(1, round(a * total)) for a in self.at]
-            else:
-                self.steps = [int(a) for a in self.at]
+        self._check_plan(trainer, self._network)  # a network found only now (checked once per fit)
         blocks = grown_blocks(self._network)
         self._ramp.clear()
         for r in self._ramps:  # a resumed fit: the masks of blocks still ramping, where they were
@@ -174,49 +194,103 @@ class GrowOnSchedule(Callback):
             self._grow(trainer, pl_module, _inputs(batch), self.blocks[self.done])
             self.done += 1
 
+    # -- the plan, checked before training ----------------------------------------------------------
+    def _check_plan(self, trainer: Trainer, network: nn.Module) -> None:
+        """Fix ``at`` in optimizer steps (first fit start), then refuse a point past the fit's end or
+        a planned site the network would not have, before anything is trained: both would otherwise
+        surface only at that point (or never), after the training before it."""
+        if self._checked:
+            return
+        total = trainer.estimated_stepping_batches
+        known = isinstance(total, (int, float)) and total != float("inf")
+        if self.steps is None:
+            if isinstance(self.at[0], float):
+                if not known:
+                    raise ValueError("at: fractions need a fit of known length; set max_steps or max_epochs, or give "
+                                     "at as optimizer steps")  # fmt: skip
+                self.steps = [max(1, round(a * total)) for a in self.at]
+            else:
+                self.steps = [int(a) for a in self.at]
+        late = [s for s in self.steps[self.done:] if known and s > total]
+        if late:
+            raise ValueError(f"at: the point(s) {late} (optimizer steps) lie past this fit's {int(total)} optimizer steps "
+                             f"(trainer.estimated_stepping_batches), so GrowOnSchedule would never grow there, silently. "
+                             f"Expected every point ≤ {int(total)}; given at={self.at!r}. Fix: give the points as "
+                             "fractions of the fit (e.g. at=[0.25, 0.5]), as steps within it, or lengthen the fit "
+                             "(max_steps / max_epochs).")  # fmt: skip
+        stages = list(network.growable_stages)
+        lengths = {st: len(network.stage(st)) for st in stages}
+        first: dict[str, int] = {}  # a stage's first candidate position; its end is always one
+        for s in network.sites():
+            first[s.stage] = min(first.get(s.stage, s.index), s.index)
+        grown = len(network.growth_log)
+        for k in range(self.done, len(self.steps)):
+            where = f"at[{k}] = {self.at[k]!r} (optimizer step {self.steps[k]})"
+            try:
+                calls = plan_growth(stages, lengths, grown, self.blocks[k], self.site)
+            except ValueError as err:
+                raise ValueError(f"{err} (the growth at {where}; checked before training)") from None
+            for names in calls:  # a call's names index the stage before that call
+                for name in names:
+                    stage, _, index = name.rpartition(".")
+                    lo = first.get(stage)
+                    if lo is None or not lo <= int(index) <= lengths[stage]:
+                        have = f"{stage}.{lo} … {stage}.{lengths[stage]}" if lo is not None else "none"
+                        raise ValueError(
+                            f"site: GrowOnSchedule(site={self.site!r}) would insert a block at {name!r} at {where}, "
+                            f"which is not a candidate site of the network then: expected one of {stage!r}'s sites, "
+                            f"{have} (a position in front of a shape-changing block, such as a ResNet stage's stride-2 "
+                            f"transition, is not a site); given {name!r}. Fix: site='last' or site='cyclic' (on top of "
+                            "a stage: always a site), or site='interleave'. Nothing was trained.")  # fmt: skip
+                for name in names:
+                    lengths[name.rpartition(".")[0]] += 1
+            grown += self.blocks[k]
+        self._checked = True
+
     # -- growth --------------------------------------------------------------------------------
     def _grow(self, trainer: Trainer, pl_module: LightningModule, x: Any, n: int) -> None:
         network = self._network
-        if self.site == "cyclic":  # block k of the network's growth on top of stage k mod S, one editor call each
-            stages = list(network.growable_stages)
-            picks = [stages[(len(network.growth_log) + i) % len(stages)] for i in range(n)]
-            sites = [f"{st}.{len(network.stage(st)) + picks[:i].count(st)}" for i, st in enumerate(picks)]
-            batches = [[s] for s in sites]
-        else:
-            (stage,) = network.growable_stages[-1:]  # the last stage: a decoder has one
-            sites = schedule_sites(len(network.stage(stage)), n, self.site, stage)
-            # one editor call per block at a repeated site ("last", "first"); one for distinct sites
-            batches = [[s] for s in sites] if len(set(sites)) < len(sites) else [sites]
+        stages = list(network.growable_stages)
+        calls = plan_growth(stages, {st: len(network.stage(st)) for st in stages}, len(network.growth_log), n, self.site)
+        sites = [name for names in calls for name in names]
         view, device = ProbeView(pl_module, network), next(network.parameters()).device
-        # the editor checks each zero insertion left the output unchanged; copy and mask_ramp change the
-        # blocks after it, so their change is measured here, over the whole growth
-        before = eval_output(view, to_device(x, device)) if self.insertion != "zero" else None
+        x = to_device(x, device)
+        # measured over the whole growth: a copy or a drawn block changes the blocks after it too
+        before = eval_output(view, x)
         ks: list[int] = []
         kept_zero: list[int] = []
-        change = 0.0
-        for names in batches:
+        for names in calls:
             k0 = len(network.growth_log)
             blocks = {name: network.new_block(name, seed=self.seed * 1000 + k0 + i) for i, name in enumerate(names)}
-            result = editor.grow(trainer, pl_module, network, blocks, x)
-            ks += result["growth_index"]
-            change = max(change, result["max_abs_change"])
+            ks += editor.grow(trainer, pl_module, network, blocks, x)["growth_index"]
         for k in ks:
             block = grown_blocks(network)[k]  # what went in (a HF layer, not its candidate)
-            if self.insertion == "copy" and ins.neighbour_block(network, block) is None:
-                kept_zero.append(k)  # nothing of its shape to copy (a stage's first added block): it starts at zero
-            elif self.insertion == "copy":
+            if self.insertion in ("copy", "copy_ramp"):
+                if ins.neighbour_block(network, block) is None:
+                    kept_zero.append(k)  # nothing of its shape to copy (a stage's first added block): it starts at zero
+                    continue
                 ins.copy_neighbour(network, block)
             elif self.insertion == "mask_ramp":
                 ins.draw_terminal(network, block, torch.Generator().manual_seed(self.seed * 1000 + k + 500))
+            if self.insertion in ins.RAMPED:
                 self._ramp.add(block, trainer.global_step)
                 self._ramps.append({"k": k, "start": trainer.global_step})
-        if before is not None:
-            change = float((eval_output(view, to_device(x, device)).float() - before.float()).abs().max())
+        after = eval_output(view, x)
+        change = float((after.float() - before.float()).abs().max()) if before.numel() else 0.0
+        tolerance = insertion_tolerance(before.dtype, float(before.float().abs().max()) if before.numel() else 1.0)
         record = {"step": trainer.global_step, "sites": sites, "depth": network.depth(), "insertion": self.insertion,
-                  "max_abs_change": change}  # fmt: skip
-        if self.insertion == "copy":  # the blocks with nothing of their shape to copy, left at zero
-            record["zero"] = [sites[ks.index(k)] for k in kept_zero]
+                  "max_abs_change": change, "tolerance": tolerance,
+                  "function_preserving": change <= tolerance}  # fmt: skip  # measured; a NaN change is False
+        if self.insertion in ("copy", "copy_ramp"):  # the blocks with nothing of their shape to copy, left at zero
+            record["zero"] = [network.growth_log[k]["site"] for k in kept_zero]  # its own site, whatever the call order
         self.growths.append(record)
         if self.verbose:
-            rank_zero_info(f"GrowOnSchedule: step {record['step']}: {n} block(s) at {sites} ({self.insertion}) → depth "
-                           f"{record['depth']}; output change on the batch {change:.3g}")  # fmt: skip
+            rank_zero_info(_growth_line(record, n))
+
+
+def _growth_line(record: dict, n: int) -> str:
+    """The line a growth prints: where, how, and whether the output stayed unchanged (measured)."""
+    verdict = ("function-preserving" if record["function_preserving"] else "NOT function-preserving") + (
+        f" (output change on the batch {record['max_abs_change']:.3g}, tolerance {record['tolerance']:.3g})")
+    return (f"GrowOnSchedule: step {record['step']}: {n} block(s) at {record['sites']} ({record['insertion']}) → depth "
+            f"{record['depth']}; {verdict}")

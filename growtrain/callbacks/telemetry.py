@@ -64,13 +64,13 @@ def check_record(report: SaturationReport | None, action: str, reason: str, site
         "action": action, "reason": reason, "site": sites[0] if sites else None, "sites": list(sites),
         "saturated": certified, "certified": certified, "params": count_params(network), "depth": depth,
     }  # fmt: skip
-    keys = ("gamma", "threshold", "t", "delta", "alpha", "n", "error_bound", "rule", "margin", "reference", "tau")
+    keys = ("gamma", "threshold", "t", "delta", "alpha", "n", "error_bound", "rule", "margin")
     if report is None:
         out.update({k: None for k in keys})
-        out.update(lower=None, best_site=None, ag_max=None, ratio=None, verdicts={})
+        out.update(lower=None, best_site=None, ag_max=None, verdicts={})
         return out
     out.update({k: getattr(report, k) for k in keys})
-    out.update(ag_max=report.ag_max, best_site=report.best_record.name, ratio=report.ratio)
+    out.update(ag_max=report.ag_max, best_site=report.best_record.name)
     lowers = [r.lower for r in report.sites if r.lower is not None]
     out["lower"] = max(lowers) if lowers else None
     out["verdicts"] = {k: v.to_dict() for k, v in report.verdicts.items()}
@@ -91,8 +91,7 @@ def log_check(trainer: Trainer, report: SaturationReport | None, record: dict) -
     if report is not None:
         metrics.update({"growth/gamma": report.gamma, "growth/threshold": report.threshold,
                         "growth/error_bound": report.error_bound, "growth/margin": report.margin,
-                        "growth/lower": record.get("lower"), "growth/reference": report.reference,
-                        "growth/ratio": report.ratio})  # fmt: skip
+                        "growth/lower": record.get("lower")})  # fmt: skip
         for r in report.sites:
             for key in ("grad_norm", "projected", "ag", "lower"):
                 value = getattr(r, key)
@@ -194,24 +193,18 @@ def fit_summary(history: list[dict], *, start_depth: int | None, final_depth: in
 
     table = Table(title=f"GrowUntilSaturated: depth {_fmt(start_depth)} → {_fmt(final_depth)}", title_justify="left")
     # Only the columns that say something for this run (one screen, 80 columns): the margin when
-    # it is not 0 (δ, τ·R), the ratio with the relative rule, the gain once a growth was judged.
+    # it is not 0 (δ), the block's certified gain under a trial or a stage fork.
     cells = {
         "check": lambda h: str(h.get("check")), "epoch": lambda h: str(h.get("epoch")),
         "depth": lambda h: _fmt(h.get("depth_before")), "action": outcome,
         "site": lambda h: _fmt(h.get("site")), "first-order ≥": lambda h: _fmt(h.get("lower"), ".3g"),
-        # decision="trial": what decided — the best trial's certified gain, % of the probe loss
+        # decision="trial" or "stage_fork": what decided — the certified gain, % of the probe loss
         "block gain ≥ %": lambda h: _fmt(100 * (h.get("trial") or h.get("fork"))["lower_frac"], ".3g")
         if (h.get("trial") or h.get("fork") or {}).get("lower_frac") is not None else "–",
-        "margin": lambda h: _fmt(h.get("margin")), "ratio (×R)": lambda h: _fmt(h.get("ratio"), ".3g"),
-        # min_gain: the certified gain of the block grown at the previous check ("gain ≥": its
-        # lower bound), and what it needed to pay (min_gain × the probe loss at that growth)
-        "gain ≥": lambda h: _fmt(h["gain"]["score"], ".3g") if h.get("gain") else "–",
-        "need": lambda h: _fmt(h["gain"]["margin"], ".3g") if h.get("gain") else "–",
+        "margin": lambda h: _fmt(h.get("margin")),
     }  # fmt: skip
     shown = {
         "margin": any(h.get("margin") for h in history),
-        "ratio (×R)": any(h.get("ratio") is not None for h in history),
-        "gain ≥": any(h.get("gain") for h in history), "need": any(h.get("gain") for h in history),
         "block gain ≥ %": any(h.get("trial") or h.get("fork") for h in history),
     }  # fmt: skip
     columns = [c for c in cells if shown.get(c, True)]

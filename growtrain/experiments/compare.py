@@ -92,6 +92,7 @@ from growtrain.experiments.runs import (
     stage_sizes,
 )
 from growtrain.experiments.schedules import inspect_schedule, with_rescaled_schedule
+from growtrain.experiments.growers import grower_from
 from growtrain.saturation import measure_saturation
 
 __all__ = ["CompareResult", "run_compare", "SCRATCH_SEED_OFFSET", "PROTOCOL"]
@@ -338,9 +339,9 @@ class _Runner:
         callbacks = [meter, *extra] + ([tracer] if tracer else [])
         root = self.out / name
         trainer = sibling_trainer(self.kwargs, root, keep=keep, extra_callbacks=callbacks, **overrides)
-        if max_growths is not None:  # caps the configured growth callback's copy too
-            for cb in growth_callbacks(trainer.callbacks):
-                cb.max_growths = max_growths
+        if max_growths is not None:  # caps the configured growth callback's copy too: rebuilt (options are read-only)
+            trainer.callbacks[:] = [grower_from(cb, max_growths=max_growths) if isinstance(cb, GrowUntilSaturated)
+                                    else cb for cb in trainer.callbacks]  # fmt: skip
         data = PairedData(self.dm, seed)
         seed_everything(seed, workers=True, verbose=False)  # augmentation draws: common to the seed's arms
         start = time.perf_counter()

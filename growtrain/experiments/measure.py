@@ -10,9 +10,9 @@ error bound in the caption. Written as ``measure.json`` and ``measure.md``.
 It answers one question, and says so: the *first-order* value of one new zero-output block at
 each site of this network as it is (the probe gradient of the block's last map, before any
 training). The growth callback decides by other questions by default: what a new block is worth
-once trained (``decision="trial"``), or what the last stage realized (``decision="gain"``). So
-on a checkpoint whose fit ended growth, the report says how its verdict relates to the fit's
-(the callback's ``finished`` and ``stop_reason`` are in the checkpoint).
+once trained (``decision="trial"``), or what blocks trained with the run until the next check gain
+(``decision="stage_fork"``). So on a checkpoint whose fit ended growth, the report says how its
+verdict relates to the fit's (the callback's ``finished`` and ``stop_reason`` are in the checkpoint).
 
 Two more things a user must be able to trust, both read from the checkpoint:
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -37,6 +37,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, seed_everyth
 from growtrain.callbacks import ComputeMeter, GrowUntilSaturated, growth_callbacks
 from growtrain.callbacks.growth_config import GrowthConfig
 from growtrain.experiments._training import evaluate, sibling_trainer
+from growtrain.experiments.growers import grower_from
 from growtrain.experiments.runs import (
     ModuleFactory, RunLog, check_rebuildable, depth_offset, fingerprint, fmt, growable_of, markdown_table,
     mean_std, module_at_depth, parse_depths, prepare, resolve_depth_kwarg, rich_table,
@@ -152,41 +153,14 @@ def file_options(config: GrowthConfig) -> dict:
     return options
 
 
-def _config_with(grow: GrowUntilSaturated, **changes) -> GrowthConfig:
-    """``grow``'s options with ``changes``; ``every_n_epochs`` back to "not given" where it does not
-    time the checks (``replace`` re-validates: a given one would be warned about under a monitor,
-    and refused beside ``min_steps_between_checks``)."""
-    return replace(grow.config, every_n_epochs=_every_n_epochs(grow.config), **changes)
-
-
-def _monitor_decides(config: GrowthConfig) -> bool:
-    """Does a plateau of the monitor time the checks (the converged schedule with a monitor)?"""
-    return config.monitor is not None and config.schedule == "converged"
-
-
-def _every_n_epochs(config: GrowthConfig) -> int | None:
-    """``every_n_epochs`` as given: ``None`` (the config normalises a missing one to 1) where a
-    monitor or ``min_steps_between_checks`` times the checks."""
-    return None if _monitor_decides(config) or config.min_steps_between_checks is not None else config.every_n_epochs
-
-
-def _grower_from(grow: GrowUntilSaturated, **changes) -> GrowUntilSaturated:
-    """A fresh callback built from ``grow``'s options with ``changes`` (its collaborators, e.g.
-    the trial runner, are built from them too, so nothing is patched after construction)."""
-    config = _config_with(grow, **changes)
-    options = {name: getattr(config, name) for name in GrowthConfig.names()}
-    # the config normalises a missing every_n_epochs to 1: pass "not given" again where it does not time the checks
-    return GrowUntilSaturated(**options | {"every_n_epochs": _every_n_epochs(grow.config)})
-
-
 def _scratch_grower(grow: GrowUntilSaturated) -> GrowUntilSaturated:
     """The growth run's final-stage stopping rule with no growth: the same options, ``max_growths=0``."""
-    return _grower_from(grow, max_growths=0, verbose=False)
+    return grower_from(grow, max_growths=0, verbose=False)
 
 
 def _seeded_grower(grow: GrowUntilSaturated, seed: int) -> GrowUntilSaturated:
     """The configured growth callback with candidate and trial blocks seeded by ``seed``."""
-    return _grower_from(grow, seed=seed)
+    return grower_from(grow, seed=seed)
 
 
 def run_stopping(
@@ -324,7 +298,7 @@ def _train(module, datamodule, kwargs, root: Path, keep, grower: GrowUntilSatura
         "probe_s": grower.check_seconds, "checkpoint": _saved(trainer, root),
         "stopped": grower.finished, "stop_reason": grower.stop_reason, "growths": grower.growths,
         "history": [{k: h.get(k) for k in ("epoch", "depth_before", "action", "certified", "site", "lower", "margin",
-                                            "reference", "ratio", "gamma", "threshold", "verdicts")}
+                                            "gamma", "threshold", "verdicts")}
                     for h in grower.history],
         "params": sum(p.numel() for p in module.parameters()),
     }  # fmt: skip

@@ -134,7 +134,8 @@ def weights_digest(module: torch.nn.Module) -> str:
     """A digest of the module's parameters and buffers (which initialisation it starts from)."""
     h = hashlib.sha1()
     for key, value in module.state_dict().items():
-        if not torch.is_tensor(value):  # a growable network's growth record: not weights
+        # a module's extra state (a growable network's growth record, a uint8 tensor): not weights
+        if key.endswith("_extra_state") or not torch.is_tensor(value):
             continue
         h.update(key.encode())
         h.update(value.detach().cpu().contiguous().numpy().tobytes())

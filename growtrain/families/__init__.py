@@ -9,7 +9,7 @@ from torch import nn
 
 from growtrain.families.base import ChannelAffineFeatures, DenseFeatures
 from growtrain.families.basic import BasicBlock
-from growtrain.families.generic import ResidualAdapter
+from growtrain.families.generic import GrowableStack, ResidualAdapter
 from growtrain.families.preact import PreActBlock
 from growtrain.growable import check_growable_block
 
@@ -66,6 +66,7 @@ __all__ = [
     "BasicBlock",
     "PreActBlock",
     "ResidualAdapter",
+    "GrowableStack",
     "DenseFeatures",
     "ChannelAffineFeatures",
     "conv_family",
