@@ -36,11 +36,11 @@ def _data() -> TextDataModule:
                           probe_fraction=0.1, val_fraction=0.05, test_fraction=0.05, seed=0)  # fmt: skip
 
 
-def _fit(cb, steps: int, quiet_trainer_kwargs, model=None, extra=()):
+def _fit(cb, steps: int, quiet_trainer_kwargs, model=None, extra=(), data=None):
     L.seed_everything(0)
     model = model or _lm()
     trainer = L.Trainer(max_steps=steps, callbacks=[cb, *extra], limit_val_batches=0, **quiet_trainer_kwargs)
-    trainer.fit(model, _data())
+    trainer.fit(model, data or _data())
     return trainer, model
 
 
@@ -246,3 +246,16 @@ def test_docs_options_table_matches_the_signature():
         shown = row.group(1).strip().strip("`").strip('"')
         expected = "0" if defaults[name] == 0.0 and not isinstance(defaults[name], bool) else str(defaults[name])
         assert shown == expected, (name, shown, defaults[name])
+
+
+def test_a_probe_that_was_trained_on_is_refused_before_training(quiet_trainer_kwargs, tiny_data):
+    """The decisions score held-out samples: a probe that is the training data is refused at fit start."""
+    from growtrain.module import ImageClassifier
+
+    tiny_data.setup("fit")
+    model = ImageClassifier(in_channels=3, num_classes=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="probe: the probe sample overlaps the training data"):
+        _fit(GrowForBudget(fork=0.1, probe=tiny_data.train_dataloader), 400, quiet_trainer_kwargs, model=model,
+             data=tiny_data)  # fmt: skip
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -47,7 +47,7 @@ from growtrain.callbacks.fork_check import PairedFork, swapped
 from growtrain.batches import to_device
 from growtrain.callbacks.probe_data import Converted, ProbeView, eval_output, first_input, probe_sample_losses
 from growtrain.fork import adopt, fork_test, make_arm
-from growtrain.growable import insertion_tolerance, probe_loss_for, resolve_network
+from growtrain.growable import grown_blocks, insertion_tolerance, probe_loss_for, resolve_network
 from growtrain.reconfigure import add_param_groups, new_param_groups
 
 __all__ = ["GrowForBudget", "INSERTIONS"]
@@ -235,6 +235,8 @@ class GrowForBudget(Callback):
             if problem is not None:
                 raise ValueError(f"GrowForBudget: {problem}")
         self._total_steps = int(total)
+        # held out: the probe the decisions score must share no sample with any train loader
+        probe_check.check_probe_independent(trainer, probe_check.probe_loader(self.probe, trainer, shard=False))
         optimizer = editor.optimizer_for(trainer, self._network)
         for group in optimizer.param_groups if optimizer is not None else []:
             group.setdefault("peak_lr", float(group["lr"]))  # the optimizer's rate is the peak (saved with it)
@@ -304,8 +306,6 @@ class GrowForBudget(Callback):
 
     @staticmethod
     def _new_blocks(arm: nn.Module, sites: list[str]) -> list[nn.Module]:
-        from growtrain.growable import grown_blocks
-
         return grown_blocks(arm)[-len(sites):]
 
     def _open(self, trainer: Trainer, pl_module: LightningModule, x: torch.Tensor) -> None:
