@@ -5,7 +5,7 @@
     python bench/callback.py --part share --epochs 2
 
 Part ``overhead`` — steps where no check happens. The same config is fitted with and without
-the callback (``every_n_epochs`` larger than the run, so it never probes), arms interleaved;
+the callback (``Periodic(every_n_epochs=...)`` larger than the run, so it never probes), arms interleaved;
 per-step times come from a timer callback (batch start → batch end) and the callback's own
 hook time is measured directly (its hooks wrapped in ``perf_counter``). The callback has no
 per-batch hooks, so its cost per step is its epoch-end bookkeeping divided by the steps of the
@@ -14,7 +14,8 @@ the effect).
 
 Part ``share`` — the quickstart: ``ImageClassifier(in_channels=1)`` + ``ImageDataModule()``
 (the embedded fashion-mnist-mini: 5,000 train / 2,000 probe / 1,000 val images, width 16,
-batch 128) with ``GrowUntilSaturated(monitor=None)`` at its defaults (a check after every epoch). Reports
+batch 128) with ``GrowUntilSaturated(schedule="periodic", decision="trial")`` (a check after every epoch,
+the default decision). Reports
 the fit's wall time, the time inside ``measure_saturation`` and their ratio, the per-sample
 cost of a probe sample relative to a training sample (``PROBE_COST``), and from those the
 projected probe share on the full Fashion-MNIST (57,000 train images, the same probe).
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L  # noqa: E402
 
-from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks import GrowUntilSaturated, Periodic
 from growtrain.data import ImageDataModule  # noqa: E402
 from growtrain.module import ImageClassifier  # noqa: E402
 
@@ -111,7 +112,8 @@ def overhead(args) -> dict:
             timer = StepTimer()
             cbs = [timer]
             if arm == "with":
-                grow = TimedGrow(every_n_epochs=10**6, verbose=False)  # never due: no probe
+                # never due: no probe
+                grow = TimedGrow(schedule=Periodic(every_n_epochs=10**6), decision="trial", verbose=False)
                 cbs.append(grow)
             t = trainer(cbs, max_epochs=args.overhead_epochs, limit_train_batches=args.steps, limit_val_batches=0)
             start = time.perf_counter()
@@ -135,7 +137,7 @@ def overhead(args) -> dict:
 def share(args) -> dict:
     L.seed_everything(0, verbose=False)
     timer = StepTimer()
-    grow = GrowUntilSaturated(monitor=None, verbose=False)  # the defaults: a check after every epoch
+    grow = GrowUntilSaturated(schedule="periodic", decision="trial", verbose=False)  # a check after every epoch
     dm = ImageDataModule()
     t = trainer([timer, grow], max_epochs=args.epochs)
     start = time.perf_counter()

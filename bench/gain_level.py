@@ -36,7 +36,7 @@ PAIRS = Path(__file__).resolve().parents[1] / "tests" / "data" / "gain_pairs.pt"
 def make_pairs(out: Path = PAIRS, seed: int = 0) -> list[dict]:
     """Every fork verdict of a real fit: its two per-sample probe-loss vectors (float32)."""
     import lightning
-    from growtrain.callbacks import GrowUntilSaturated
+    from growtrain.callbacks import GrowUntilSaturated, Periodic, StageFork
     from growtrain.data import ImageDataModule
     from growtrain.module import ImageClassifier
 
@@ -55,8 +55,8 @@ def make_pairs(out: Path = PAIRS, seed: int = 0) -> list[dict]:
     dm = ImageDataModule(dataset="fashion-mnist-mini", batch_size=128, probe_size=2000, val_size=1000, seed=0)
     model = ImageClassifier(arch="cifar_resnet", blocks=(1, 1, 1), width=8, family="basic", in_channels=1)
     # min_gain=0: growth goes on while the arm's loss is lower at all, so the fit yields several verdicts
-    grow = GrowUntilSaturated(schedule="periodic", every_n_epochs=2, min_gain=0.0, max_growths=4,
-                              on_saturated="anneal", anneal_epochs=3, verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(schedule=Periodic(every_n_epochs=2, anneal_epochs=3), decision=StageFork(min_gain=0.0),
+                              max_growths=4, on_saturated="anneal", verbose=False)  # fmt: skip
     trainer = lightning.Trainer(max_epochs=60, accelerator="cpu", devices=1, callbacks=[grow], logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
                                 enable_model_summary=False)  # fmt: skip

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import inspect
 import json
 import statistics
 import subprocess
@@ -62,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning as L  # noqa: E402
 from lightning.pytorch.utilities.warnings import PossibleUserWarning  # noqa: E402
 
-from growtrain import GrowUntilSaturated, ImageClassifier, measure_saturation  # noqa: E402
+from growtrain import GrowUntilSaturated, ImageClassifier, StageFork, Trial, measure_saturation  # noqa: E402
 from growtrain.data import ImageDataModule  # noqa: E402
 from growtrain.lm import token_cross_entropy  # noqa: E402
 from growtrain.models import cifar_resnet  # noqa: E402
@@ -133,17 +132,14 @@ def fit_check(args, device, precision: str, root: Path, decision: str = "rule") 
                          synthetic_classes=10, probe_size=32 if args.quick else 500, val_size=32 if args.quick else 500,
                          batch_size=32 if args.quick else 128)  # fmt: skip
     module = ImageClassifier(width=width, num_classes=10)
-    # monitor=None: a check at the end of every epoch (no plateau wait).
+    # schedule="periodic": a check at the end of every epoch (no plateau wait).
     # decision="rule" with t≈0: this checks the growth mechanics on the device, so every check grows
-    options = dict(rule="paper", t=1e-9, decision="rule", min_gain=None, max_growths=2, monitor=None, every_n_epochs=1,
-                   verbose=False)  # fmt: skip
+    options = dict(rule="paper", t=1e-9, decision="rule", max_growths=2, schedule="periodic", verbose=False)
     if decision != "rule":
         # the paired fork's path on the device: the arm, its cooled copies, the forked generators
         # (CUDA's too) and the shared head's gradients. Growth is not forced: min_gain=0 grows when
         # the cooled arm scores lower at all, and the row reports what it decided.
-        options.update(decision=decision, schedule="periodic", min_gain=0.0)
-    if "min_stage_epochs" in inspect.signature(GrowUntilSaturated).parameters:
-        options["min_stage_epochs"] = 1  # check after every epoch
+        options.update(decision={"trial": Trial, "stage_fork": StageFork}[decision](min_gain=0.0))
     grow = GrowUntilSaturated(**options)
     where = WhereAtEnd()
     trainer = L.Trainer(accelerator=args.accelerator, devices=1, precision=precision, max_epochs=3,
@@ -375,7 +371,7 @@ def amp_section(args, device, root: Path) -> dict:
         dm = ImageDataModule(dataset="synthetic", image_size=size, synthetic_size=400 if args.quick else 4000,
                              synthetic_classes=10, probe_size=64 if args.quick else 1000, val_size=32,
                              batch_size=32 if args.quick else 128)  # fmt: skip
-        grow = GrowUntilSaturated(monitor=None, decision="trial", min_gain=0.01, max_growths=1, verbose=False)
+        grow = GrowUntilSaturated(schedule="periodic", decision="trial", max_growths=1, verbose=False)
         trainer = L.Trainer(accelerator=args.accelerator, devices=1, precision=precision, max_epochs=2,
                             callbacks=[grow], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, default_root_dir=root, limit_val_batches=0)  # fmt: skip

@@ -49,7 +49,7 @@ def main(out: Path) -> dict:
     summary = {
         "start_depth": grow.start_depth, "depth": module.network.depth(), "growths": len(module.network.growth_log),
         "checks": len(grow.history), "finished": grow.finished, "stop_reason": grow.stop_reason,
-        "lr_schedule": grow.lr_schedule, "decision": grow.decision, "epochs": trainer.current_epoch,
+        "lr_schedule": grow.lr_schedule, "decision": grow.decision.name, "epochs": trainer.current_epoch,
         "test": test, "wall_s_this_process": round(wall, 1), "check_s": round(grow.check_seconds, 1), "fit_s": round(grow.fit_seconds, 1),
         "command": "OMP_NUM_THREADS=1 python experiments/bare_default.py " + str(out),
     }  # fmt: skip

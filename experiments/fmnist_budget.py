@@ -12,6 +12,12 @@ architecture by FlopCounterMode as ComputeMeter does): a deeper network takes fe
   grow-copy-wsd    3 blocks; 2, 2, 2, 1 more at 10 / 20 / 30 / 40 % of the steps, block k on top of
                    stage k mod 3 (→ 4-3-3), each a copy of the block below it (G_stack); the same WSD
   grow-zero-wsd    the same with the paper's zero terminal map (function-preserving)
+  scratch-N-wsd    the scratch frontier: N blocks (N >= 3, spread as the sweep spreads them) from the start
+  growto-N         the growth frontier: 3 blocks → N, one copied block at a time on top of stage k mod 3,
+                   evenly spaced so the last lands at 40 % of the steps; the same WSD
+  budget[-S][-fF][-cC][-pP]  GrowForBudget from 3 blocks (statistic S, fork F ‰, C checks over P %; else its
+                   defaults); it drives WSD itself
+                   (its floor is 10 % of the peak rate, not 0)
 
 The default budget is the FLOPs of the sweep's plateau-stopped 10-block network of seed 0 (50,471
 GFLOP, test loss 0.1972). Each arm resumes from its last epoch checkpoint and writes OUT/row.json.
@@ -38,9 +44,32 @@ GROW_AT, GROW_BLOCKS = [0.1, 0.2, 0.3, 0.4], [2, 2, 2, 1]
 def arm_spec(arm: str) -> dict:
     if arm == "scratch-10-wsd":
         return {"added": 7, "at": [], "depths": [10]}
+    if arm.startswith("scratch-") and arm.endswith("-wsd"):  # the scratch frontier: N blocks from the start
+        n = int(arm.split("-")[1])
+        if n < 3:
+            raise SystemExit(f"arm: scratch-N-wsd needs N >= 3 (one block per stage), got {arm!r}")
+        return {"added": n - 3, "at": [], "depths": [n]}
     if arm in ("grow-copy-wsd", "grow-zero-wsd"):
         return {"added": 0, "at": GROW_AT, "blocks": GROW_BLOCKS, "depths": [3, 5, 7, 9, 10],
                 "insertion": arm.split("-")[1]}  # fmt: skip
+    if arm.startswith("growto-"):  # the growth frontier: 3 blocks → N, one copied block at a time on stage k mod 3,
+        # evenly spaced so the last lands at 40 % of the steps (as the language model's growto-N)
+        n = int(arm.split("-")[1])
+        if n <= 3:
+            raise SystemExit(f"arm: growto-N needs N > 3 (the start depth), got {arm!r}")
+        at = [round(0.4 * i / (n - 3), 6) for i in range(1, n - 2)]
+        return {"added": 0, "at": at, "blocks": [1] * len(at), "depths": list(range(3, n + 1)), "insertion": "copy"}
+    if arm.startswith("budget"):  # GrowForBudget from 3 blocks: budget[-STATISTIC][-fFORK‰][-cCHECKS][-pPHASE%]
+        opts: dict = {}
+        for part in arm.split("-")[1:]:
+            if part in ("fork", "carried", "steps"):
+                opts["statistic"] = part
+            elif part[0] in "fcp" and part[1:].isdigit():
+                key, scale = {"f": ("fork", 1000), "c": ("checks", None), "p": ("growth_phase", 100)}[part[0]]
+                opts[key] = int(part[1:]) if scale is None else int(part[1:]) / scale
+            else:
+                raise SystemExit(f"arm: unknown budget option {part!r} in {arm!r}")
+        return {"added": 0, "at": [], "depths": [3], "budget": opts}
     raise SystemExit(f"arm: unknown {arm!r}")
 
 
@@ -81,7 +110,7 @@ def main() -> None:
     edges = [0.0, *spec["at"], 1.0]
     per_step = sum((b - a) * BATCH * image_flops(d) for a, b, d in zip(edges, edges[1:], spec["depths"]))
     steps = int(args.budget_gflop * 1e9 / per_step)
-    sched = functools.partial(WarmupStableDecay, warmup_steps=max(1, steps // 100), total_steps=steps,
+    sched = None if "budget" in spec else functools.partial(WarmupStableDecay, warmup_steps=max(1, steps // 100), total_steps=steps,
                               decay_steps=steps // 5, min_lr_ratio=0.0)  # fmt: skip
     L.seed_everything(args.seed, workers=True)
     model = ImageClassifier(width=WIDTH, blocks=[1, 1, 1], added=spec["added"], family="basic", in_channels=1,
@@ -93,6 +122,11 @@ def main() -> None:
     if spec["at"]:
         grow = GrowOnSchedule(at=spec["at"], blocks=spec["blocks"], site="cyclic", insertion=spec["insertion"],
                               seed=args.seed)  # fmt: skip
+        callbacks.append(grow)
+    elif "budget" in spec:
+        from growtrain import GrowForBudget
+
+        grow = GrowForBudget(seed=args.seed, **spec["budget"])
         callbacks.append(grow)
     trainer = L.Trainer(max_steps=steps, max_epochs=-1, callbacks=callbacks, accelerator="cpu", devices=1,
                         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -107,7 +141,9 @@ def main() -> None:
            "epochs": steps / per_epoch, "spec": spec, "depth": model.network.depth(),
            "blocks": [len(model.network.stage(s)) for s in model.network.growable_stages],
            "gflop": meter.flops / 1e9, "test_loss": test["test_loss"], "test_acc": test.get("test_acc"),
-           "growth": grow.growths if grow is not None else None, "wall_s_this_process": wall,
+           "growth": getattr(grow, "growths", getattr(grow, "history", None)),
+           "budget": ({"spent": grow.spent, "decision_flops": grow.decision_flops, "plan": grow.plan.as_dict(),
+                      "finished": grow.finished} if "budget" in spec else None), "wall_s_this_process": wall,
            "threads": torch.get_num_threads()}  # fmt: skip
     (out / "row.json").write_text(json.dumps(row, indent=1, default=str))
     print(json.dumps({k: row[k] for k in ("arm", "seed", "steps", "epochs", "depth", "blocks", "gflop", "test_loss")}))

@@ -3,7 +3,7 @@
 # K = 8), one per call: experiments/fork_full.sh OUT SEED[:SPLIT] [growtrain overrides...]
 # Rows resume from OUT/split<S>/runs.jsonl and their epoch checkpoints; the log is OUT/growth_split<S>_seed<N>.log.
 #   experiments/fork_full.sh runs/stage_k8 0
-#   experiments/fork_full.sh runs/stage_k4 0 --trainer.callbacks.init_args.every_n_epochs=4
+#   experiments/fork_full.sh runs/stage_k4 0 --trainer.callbacks.init_args.schedule.every_n_epochs=4
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export OMP_NUM_THREADS=${THREADS:-1}   # THREADS=2: the same run on two threads
 out=$1; job=$2; shift 2

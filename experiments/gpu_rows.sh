@@ -13,20 +13,20 @@ ACCEL=${ACCEL:-gpu}
 mkdir -p "$WORK" "$OUT"
 # name  seed:split  overrides (K is every_n_epochs; max_epochs 60 unless given)
 declare -A GRID=(
-  [k8_s0]="0:0 --trainer.callbacks.init_args.every_n_epochs=8"
-  [k8_s1]="1:0 --trainer.callbacks.init_args.every_n_epochs=8"
-  [k8_s2]="2:0 --trainer.callbacks.init_args.every_n_epochs=8"
-  [k4_s0]="0:0 --trainer.callbacks.init_args.every_n_epochs=4"
-  [k4_s1]="1:0 --trainer.callbacks.init_args.every_n_epochs=4"
-  [k16_s0]="0:0 --trainer.callbacks.init_args.every_n_epochs=16 --trainer.max_epochs=100"
-  [k16_s1]="1:0 --trainer.callbacks.init_args.every_n_epochs=16 --trainer.max_epochs=100"
-  [k8_s0_sp1]="0:1 --trainer.callbacks.init_args.every_n_epochs=8"
-  [k8_s1_sp1]="1:1 --trainer.callbacks.init_args.every_n_epochs=8"
-  [k8_s0_25]="0:0 --trainer.callbacks.init_args.every_n_epochs=8 --data.init_args.train_subset=14250"
-  [k8_s0_g05]="0:0 --trainer.callbacks.init_args.every_n_epochs=8 --trainer.callbacks.init_args.min_gain=0.005"
-  [k8_s0_g2]="0:0 --trainer.callbacks.init_args.every_n_epochs=8 --trainer.callbacks.init_args.min_gain=0.02"
-  [k8_s0_p8k]="0:0 --trainer.callbacks.init_args.every_n_epochs=8 --data.init_args.probe_size=8000"
-  [k8_s2_p8k]="2:0 --trainer.callbacks.init_args.every_n_epochs=8 --data.init_args.probe_size=8000"
+  [k8_s0]="0:0 --trainer.callbacks.init_args.schedule.every_n_epochs=8"
+  [k8_s1]="1:0 --trainer.callbacks.init_args.schedule.every_n_epochs=8"
+  [k8_s2]="2:0 --trainer.callbacks.init_args.schedule.every_n_epochs=8"
+  [k4_s0]="0:0 --trainer.callbacks.init_args.schedule.every_n_epochs=4"
+  [k4_s1]="1:0 --trainer.callbacks.init_args.schedule.every_n_epochs=4"
+  [k16_s0]="0:0 --trainer.callbacks.init_args.schedule.every_n_epochs=16 --trainer.max_epochs=100"
+  [k16_s1]="1:0 --trainer.callbacks.init_args.schedule.every_n_epochs=16 --trainer.max_epochs=100"
+  [k8_s0_sp1]="0:1 --trainer.callbacks.init_args.schedule.every_n_epochs=8"
+  [k8_s1_sp1]="1:1 --trainer.callbacks.init_args.schedule.every_n_epochs=8"
+  [k8_s0_25]="0:0 --trainer.callbacks.init_args.schedule.every_n_epochs=8 --data.init_args.train_subset=14250"
+  [k8_s0_g05]="0:0 --trainer.callbacks.init_args.schedule.every_n_epochs=8 --trainer.callbacks.init_args.decision.min_gain=0.005"
+  [k8_s0_g2]="0:0 --trainer.callbacks.init_args.schedule.every_n_epochs=8 --trainer.callbacks.init_args.decision.min_gain=0.02"
+  [k8_s0_p8k]="0:0 --trainer.callbacks.init_args.schedule.every_n_epochs=8 --data.init_args.probe_size=8000"
+  [k8_s2_p8k]="2:0 --trainer.callbacks.init_args.schedule.every_n_epochs=8 --data.init_args.probe_size=8000"
 )
 JOBS=${JOBS:-${!GRID[@]}}
 for name in $JOBS; do
@@ -37,7 +37,7 @@ for name in $JOBS; do
     --data.init_args.dataset=fashion-mnist --data.init_args.root=$FMNIST \
     --data.init_args.seed=$split --seeds="[$seed]" --output_dir=$dir/split$split \
     --trainer.default_root_dir=$dir/split$split --trainer.accelerator=$ACCEL \
-    --trainer.callbacks.init_args.decision=stage_fork "$@" ${EPOCHS:+--trainer.max_epochs=$EPOCHS} $EXTRA \
+    --trainer.callbacks.init_args.decision=growtrain.StageFork "$@" ${EPOCHS:+--trainer.max_epochs=$EPOCHS} $EXTRA \
     > "$dir/log.txt" 2>&1 &
 done
 pack() { tar -czf "$OUT/rows.tar.gz.tmp" --exclude='*.ckpt' -C "$WORK" . && mv "$OUT/rows.tar.gz.tmp" "$OUT/rows.tar.gz"; }

@@ -13,9 +13,10 @@ FlopCounterMode, as ComputeMeter does): a deeper network takes fewer optimizer s
   grow-*-wsd       an early arm under warmup-stable-decay (its scratch reference: scratch-6-wsd)
   growto-N[-INS][-pPP]  the growth frontier: 2 blocks → N under WSD, one block on top at a time, evenly
                    spaced so the last lands at PP % of the steps (default 40), insertion INS (default copy)
-  budget[-x][-fF][-cC][-pP][-zero]  GrowForBudget from 2 blocks on scratch-2's steps: C decisions (4) over the
-                   first P % (40), each an equal-FLOP fork over F ‰ of the budget (20), -x: on the gain carried
-                   to the budget's end, -zero: the zero insertion (default copy); it drives WSD itself
+  budget[-x|-steps][-fF][-cC][-pP][-zero]  GrowForBudget from 2 blocks on scratch-2's steps: C decisions (4)
+                   over the first P % (40), each a fork over F ‰ of the budget (20) judged on its equal-FLOP gain;
+                   -x: on the gain carried to the budget's end; -steps: the equal-steps gain less the price of
+                   fewer steps on the run's curve (statistic="steps"); -zero: the zero insertion (default copy); it drives WSD itself
   decide           2 blocks, GrowUntilSaturated (block-only trials every 2 of 250-step epochs) on the
                    step count of scratch-4: where the decision stops at this budget
 
@@ -75,11 +76,13 @@ def arm_spec(arm: str) -> dict:
         at = [round(phase * i / (n - 2), 6) for i in range(1, n - 1)]
         return {"start": 2, "at": at, "depths": list(range(2, n + 1)), "schedule": "wsd", "site": "last",
                 "blocks": 1, "insertion": insertion}  # fmt: skip
-    if base.startswith("budget"):  # GrowForBudget: budget[-x][-fFORK‰][-cCHECKS][-pPHASE%][-zero] from 2 blocks
-        opts = {"checks": 4, "fork": 0.02, "growth_phase": 0.4, "extrapolate": False, "insertion": "copy"}
+    if base.startswith("budget"):  # GrowForBudget: budget[-x|-steps][-fFORK‰][-cCHECKS][-pPHASE%][-zero] from 2 blocks
+        opts = {"checks": 4, "fork": 0.02, "growth_phase": 0.4, "statistic": "fork", "insertion": "copy"}
         for part in base.split("-")[1:]:
             if part == "x":
-                opts["extrapolate"] = True
+                opts["statistic"] = "carried"
+            elif part == "steps":
+                opts["statistic"] = "steps"
             elif part == "zero":
                 opts["insertion"] = "zero"
             elif part[0] == "f":
@@ -124,7 +127,7 @@ def main() -> None:
     import lightning as L
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-    from growtrain import GrowOnSchedule, GrowUntilSaturated
+    from growtrain import GrowOnSchedule, GrowUntilSaturated, Periodic
     from growtrain.callbacks import ComputeMeter
     from growtrain.data.text import TextDataModule
     from growtrain.lm import LanguageModel
@@ -178,7 +181,7 @@ def main() -> None:
         grow = GrowForBudget(seed=args.seed, **spec["budget"])
         callbacks.append(grow)
     elif spec.get("decide"):
-        grow = GrowUntilSaturated(schedule="periodic", every_n_epochs=2, monitor=None, decision="trial",
+        grow = GrowUntilSaturated(schedule=Periodic(every_n_epochs=2), decision="trial",
                                   on_saturated="continue", seed=args.seed, verbose=False)  # fmt: skip
         callbacks.append(grow)
     else:

@@ -1,12 +1,14 @@
-"""The language model's depth frontiers on a FLOP budget: scratch at each depth, growth to each depth, the decision.
+"""The depth frontiers on a FLOP budget: scratch at each depth, growth to each depth, the decision.
 
-Reads the rows experiments/lm_budget.py wrote (ROOT/b<TFLOP>/s<SEED>/<ARM>/row.json, or copies of
-them in docs/results/lm_frontier/) and prints one markdown table per budget (test loss against
+Reads the rows experiments/lm_budget.py (ROOT/b<TFLOP>/s<SEED>/<ARM>/row.json) or
+experiments/fmnist_budget.py (ROOT/b<GFLOP>/s<SEED>/<ARM>/row.json) wrote, or copies of them in
+docs/results/lm_frontier/ and docs/results/fmnist_frontier/, and prints one markdown table per budget (test loss against
 depth: the scratch frontier, the growth frontier, GrowForBudget's networks), the seeds' mean and
 spread where there are several, and draws both frontiers on one figure per budget.
 
     python experiments/lm_frontier.py runs/lm57 --copy docs/results/lm_frontier --figure docs/results/lm_frontier.png
     python experiments/lm_frontier.py docs/results/lm_frontier            # the tables from the copies
+    python experiments/lm_frontier.py runs/fb57 --copy docs/results/fmnist_frontier --figure docs/results/fmnist_frontier.png
 """
 
 from __future__ import annotations
@@ -43,14 +45,24 @@ def kind(arm: str) -> tuple[str, int | None]:
     return "other", None
 
 
+def tflop(budget: str) -> str:
+    """A budget directory's name in TFLOP (the image rows' directories are named in GFLOP)."""
+    return f"{float(budget) / 1000:.4g}" if float(budget) >= 1000 else budget
+
+
+def spent(row: dict) -> float:
+    return row["flops"] if "flops" in row else row["gflop"] * 1e9
+
+
 def mean_sd(values: list[float]) -> tuple[float, float | None]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
 
 def table(budget: str, arms: dict) -> str:
-    lines = [f"Budget {budget} TFLOP (test loss, nats per byte; mean ± sd over the seeds listed)", "",
-             "| arm | kind | depth | seeds | test loss | steps | TFLOP spent | decisions' share |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    acc = any(r.get("test_acc") is not None for seeds in arms.values() for r in seeds.values())
+    lines = [f"Budget {tflop(budget)} TFLOP (test loss; mean ± sd over the seeds listed)", "",
+             f"| arm | kind | depth | seeds | test loss |{' test accuracy |' if acc else ''} steps | TFLOP spent | "
+             "decisions' share |", "|---|---|---|---|---|" + ("---|" if acc else "") + "---|---|---|"]  # fmt: skip
     order = sorted(arms, key=lambda a: ({"scratch": 0, "growth": 1, "decision": 2}.get(kind(a)[0], 3), kind(a)[1] or 0, a))
     for arm in order:
         seeds = arms[arm]
@@ -60,8 +72,12 @@ def table(budget: str, arms: dict) -> str:
         row0 = seeds[min(seeds)]
         b = row0.get("budget") or {}
         share = f"{100 * b['decision_flops'] / b['plan']['total_flops']:.1f} %" if b else ""
+        a = ""
+        if acc:
+            am, asd = mean_sd([100 * seeds[s]["test_acc"] for s in sorted(seeds)])
+            a = f" {am:.2f} %{'' if asd is None else f' ± {asd:.2f}'} |"
         lines.append(f"| {arm} | {kind(arm)[0]} | {'/'.join(map(str, depths))} | {','.join(map(str, sorted(seeds)))} "
-                     f"| {m:.4f}{'' if sd is None else f' ± {sd:.4f}'} | {row0['steps']} | {row0['flops'] / 1e12:.2f} "
+                     f"| {m:.4f}{'' if sd is None else f' ± {sd:.4f}'} |{a} {row0['steps']} | {spent(row0) / 1e12:.2f} "
                      f"| {share} |")  # fmt: skip
     return "\n".join(lines)
 
@@ -86,7 +102,7 @@ def figure(rows: dict, path: Path) -> None:
                     ax.plot(r["depth"], r["test_loss"], "k*", ms=10)
                     ax.annotate(f"{arm} s{seed}", (r["depth"], r["test_loss"]), fontsize=7, xytext=(4, 4),
                                 textcoords="offset points")  # fmt: skip
-        ax.set(title=f"{budget} TFLOP", xlabel="final depth (blocks)", ylabel="test loss (nats/byte)")
+        ax.set(title=f"{tflop(budget)} TFLOP", xlabel="final depth (blocks)", ylabel="test loss")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -76,7 +76,7 @@ def train_scratch(out: Path, name: str, *, seed: int, epochs: int, sizes: list[i
     cmd = ["growtrain", "stopping", "--config", config, "--skip_scratch=true", f"--seeds=[{seed}]",
            f"--output_dir={out / name}", f"--trainer.default_root_dir={out / name}",
            f"--trainer.max_epochs={epochs}", f"--model.init_args.blocks=[{','.join(map(str, sizes))}]",
-           f"{cb}.max_growths=0", f"{cb}.every_n_epochs=1000", f"{cb}.min_steps_between_checks=null",
+           f"{cb}.max_growths=0", f"{cb}.schedule.every_n_epochs=1000", f"{cb}.schedule.min_steps_between_checks=null",
            *overrides]  # fmt: skip
     print(" ".join(cmd), flush=True)
     with open(out / f"{name}.log", "a") as log:

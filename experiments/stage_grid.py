@@ -29,6 +29,12 @@ from periodic_matched import growth_flops, stage_sizes  # noqa: E402
 from periodic_results import paired_interval  # noqa: E402
 
 
+def _option(cb: dict, part: str, name: str):
+    """An option of GrowUntilSaturated in a run's saved config.yaml: a flat key in runs written before
+    the options were grouped, else a field of its ``schedule``/``decision`` part (``init_args``)."""
+    return cb[name] if name in cb else cb[part]["init_args"][name]
+
+
 def runs(folders: list[str]) -> list[dict]:
     """One record per finished growth row: its constants (from the run's own config.yaml), the
     judged forks, the total FLOPs (training, arms, scoring, probe passes) and its matched arms."""
@@ -60,7 +66,8 @@ def runs(folders: list[str]) -> list[dict]:
                 judged = [h["fork"] for h in history if (h.get("fork") or {}).get("gain_frac") is not None]
                 out.append({
                     "run": folder.name, "device": "H200" if "gpu" in folder.parts[:-1] else "CPU",
-                    "seed": seed, "split": data["seed"], "K": cb["every_n_epochs"], "min_gain": cb["min_gain"],
+                    "seed": seed, "split": data["seed"], "K": _option(cb, "schedule", "every_n_epochs"),
+                    "min_gain": _option(cb, "decision", "min_gain"),
                     "probe": probe_size, "train_images": train_images, "subset": bool(data.get("train_subset")), "blocks": row["blocks"],
                     "sizes": stage_sizes(row), "test_loss": row["test_loss"], "forks": judged,
                     "gflop": (growth_flops(row, probe_size) + forks["arms"] + forks["scoring"]) / 1e9,

@@ -10,6 +10,12 @@ from growtrain.saturation import SaturationReport, SiteRecord, measure_saturatio
 
 _LAZY = {
     "GrowUntilSaturated": "growtrain.callbacks.growth",
+    # its parts' options: when a check comes, what decides
+    "Converged": "growtrain.callbacks.growth_config",
+    "Periodic": "growtrain.callbacks.growth_config",
+    "Trial": "growtrain.callbacks.growth_config",
+    "StageFork": "growtrain.callbacks.growth_config",
+    "Rule": "growtrain.callbacks.growth_config",
     "GrowOnSchedule": "growtrain.callbacks.scheduled",
     "GrowForBudget": "growtrain.callbacks.budget",
     "GrowableModuleMixin": "growtrain.module",

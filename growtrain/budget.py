@@ -27,7 +27,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["BudgetPlan", "wsd_fraction", "fork_steps", "plan_problem", "carried", "budget_verdict"]
+__all__ = ["BudgetPlan", "wsd_fraction", "fork_steps", "plan_problem", "carried", "budget_verdict", "steps_cost",
+           "COST_EXPONENT"]
+
+# The exponent p of the learning curve L(S) = E + A·S^(−p) the "steps" statistic prices fewer steps with.
+# Chosen on the language model's seed-0 scratch curves (docs/budget.md): a free fit of p to the first
+# 10–30 % of a curve gave p ≈ 0.3 and overpriced the end's cost about threefold, p = 1 underpriced it
+# about twofold; ½ sits between. One constant, halved and doubled in the stability rows.
+COST_EXPONENT = 0.5
 
 
 def wsd_fraction(spent: float, *, warmup: float, decay: float, min_lr_ratio: float) -> float:
@@ -123,3 +130,31 @@ def budget_verdict(lower_frac: float, upper_frac: float, min_gain: float) -> tup
     ends, *certified* not to pay where the upper bound is below ``min_gain`` too."""
     grow = math.isfinite(lower_frac) and lower_frac > min_gain
     return grow, (not grow) and math.isfinite(upper_frac) and upper_frac < min_gain
+
+
+def steps_cost(steps: torch.Tensor, losses: torch.Tensor, *, end_run: float, end_arm: float,
+               exponent: float = COST_EXPONENT, bins: int = 16) -> tuple[float, float]:
+    """``(cost, A)``: the loss the run's own curve says it gives up at the budget's end by reaching
+    ``end_arm`` optimizer steps instead of ``end_run`` (``end_arm ≤ end_run``: a deeper network's steps
+    cost more), from a least-squares fit of ``L(S) = E + A·S^(−p)`` to its training losses.
+
+    ``steps``/``losses`` (1-D, same length): the run's optimizer steps and their training losses over a
+    recent window; they are averaged in ``bins`` equal runs of steps first (one step's loss is one
+    batch's: noisy). A curve that does not fall (``A ≤ 0``) prices fewer steps at 0: more steps would not
+    have lowered it either."""
+    s = steps.detach().double().flatten()
+    y = losses.detach().double().flatten()
+    keep = torch.isfinite(y) & (s > 0)
+    s, y = s[keep], y[keep]
+    if s.numel() < 2 * bins:
+        raise ValueError(f"steps_cost: expected at least {2 * bins} (step, loss) pairs to fit the curve, got "
+                         f"{s.numel()}. Fix: a longer fork (more steps in the window)")  # fmt: skip
+    order = torch.argsort(s)
+    chunks = torch.tensor_split(order, bins)
+    x = torch.stack([s[c].pow(-exponent).mean() for c in chunks])  # S^(−p) averaged as the losses are
+    m = torch.stack([y[c].mean() for c in chunks])
+    xc = x - x.mean()
+    a = float((xc * (m - m.mean())).sum() / (xc * xc).sum())
+    if not (math.isfinite(a) and a > 0):
+        return 0.0, a
+    return a * (float(end_arm) ** -exponent - float(end_run) ** -exponent), a

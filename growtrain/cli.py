@@ -44,7 +44,7 @@ __all__ = ["GrowtrainCLI", "main"]
 
 # A first command that needs no file from the repository (the default model and data need no arguments)
 START_ANYWHERE = ("growtrain fit --trainer.callbacks+=growtrain.callbacks.GrowUntilSaturated "
-                  "--trainer.callbacks.monitor=val_loss --trainer.max_epochs=60 --trainer.default_root_dir=runs/first")
+                  "--trainer.callbacks.schedule.monitor=val_loss --trainer.max_epochs=60 --trainer.default_root_dir=runs/first")
 DESCRIPTION = (
     "growtrain: train a residual network (or a small transformer) with PyTorch Lightning and make it deeper, one "
     "function-preserving block at a time, while a statistical test on a held-out probe sample says more depth still "
@@ -58,7 +58,7 @@ FIT_DESCRIPTION = (
     "Train a model; with growtrain.callbacks.GrowUntilSaturated among trainer.callbacks (as in configs/quickstart.yaml) "
     "it grows. The growth callback's arguments: growtrain fit --trainer.callbacks.help "
     "growtrain.callbacks.GrowUntilSaturated. Add it on the command line: --trainer.callbacks+="
-    "growtrain.callbacks.GrowUntilSaturated --trainer.callbacks.monitor=val_loss"
+    "growtrain.callbacks.GrowUntilSaturated --trainer.callbacks.schedule.monitor=val_loss"
 )
 
 

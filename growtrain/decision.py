@@ -18,7 +18,7 @@ verdicts it could compute, and states, when it is built, which rule made its dec
   scale-free. Why this rule and how ``τ`` was chosen: ``docs/decision.md``. It did not track
   depth on real data: it is reported (``growtrain measure``), not a callback option.
 
-Also here: the options these rules read, checked (``check_tau``, ``check_min_gain``), and their
+Also here: the option these rules read, checked (``check_tau``), and their
 defaults (``DEFAULT_RULE``, ``DEFAULT_TAU``, ``DEFAULT_MIN_GAIN``). The block-only trial
 (``growtrain.trial``) and the paired fork (``growtrain.fork``) return this module's ``Verdict``. When a check comes and what a verdict turns
 into (the budgets) are not decisions: they are ``growtrain.schedule_rules``'s. No Lightning import here.
@@ -43,7 +43,6 @@ __all__ = [
     "relative_verdict",
     "debiased_reference",
     "check_tau",
-    "check_min_gain",
 ]
 
 Rule = Literal["paper", "crossfit", "relative"]
@@ -170,15 +169,3 @@ def debiased_reference(
     mean_sq = sum(per_block) / len(per_block)
     return math.sqrt(max(0.0, mean_sq)), per_block
 
-
-# -- min_gain ---------------------------------------------------------------------------------
-def check_min_gain(value: object) -> float | None:
-    """``min_gain``: ``None`` (off) or a finite fraction ≥ 0 of the probe loss."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(
-            f"min_gain: expected None or a finite number >= 0 (the fraction of the probe loss by which the last "
-            f"growth must have certifiably lowered it); got {value!r}. Fix: pass min_gain=0.01 (1 %) or None."
-        )
-    return float(value)

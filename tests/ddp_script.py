@@ -29,7 +29,7 @@ import os
 import lightning as L
 import torch
 
-from growtrain.callbacks import GrowUntilSaturated, editor
+from growtrain.callbacks import GrowUntilSaturated, StageFork, Trial, editor
 from growtrain.data import ImageDataModule
 from growtrain.growable import grown_blocks
 from growtrain.module import ImageClassifier
@@ -106,12 +106,10 @@ def fit(out: str, epochs: int, same_buffers: bool, trial_gain: float | None = No
     # cross-fit rule (its A/B split all-reduces mid-pass); 91 probe samples: shards of 46 and 45.
     # the rule decides every check (the first is replayed in one process by the test);
     # trial_gain: the block-only trial decision instead, with that min_gain (5.0: no trial can pay)
-    decision = {"decision": "rule", "min_gain": None} if trial_gain is None else {
-        "decision": "trial", "min_gain": trial_gain, "trial_epochs": 0.5}
+    decision = {"decision": "rule"} if trial_gain is None else {"decision": Trial(min_gain=trial_gain, epochs=0.5)}
     if fork:  # the stage fork: each rank's arm steps on its own batches, gradients averaged; every fork "pays"
-        decision = {"schedule": "periodic", "decision": "stage_fork", "min_gain": 0.0, "on_saturated": "continue"}
-    grow = GrowUntilSaturated(monitor=None, rule="crossfit", max_growths=2, every_n_epochs=1, **decision,
-                              verbose=False)  # fmt: skip
+        decision = {"decision": StageFork(min_gain=0.0), "on_saturated": "continue"}
+    grow = GrowUntilSaturated(schedule="periodic", rule="crossfit", max_growths=2, **decision, verbose=False)
     snapshot = Snapshot(out, same_buffers)
     trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=epochs,
                         callbacks=[snapshot, grow, AfterCheck(out, snapshot.info)],

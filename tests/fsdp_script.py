@@ -46,7 +46,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from growtrain import GrowableStack, fsdp
-from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks import GrowUntilSaturated, Trial
 from growtrain.fsdp import ShardedBlocksMixin
 from growtrain.growable import grown_blocks
 from growtrain.module import GrowableModuleMixin
@@ -243,11 +243,11 @@ def fit(args, name: str) -> None:
         module.fsdp_policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
                               "reshard_after_forward": False}  # fmt: skip
     after = AfterGrowth()
-    decision = {"decision": "rule", "min_gain": None}  # the cross-fit rule at alpha=0.5 decides every check
+    decision = "rule"  # the cross-fit rule at alpha=0.5 decides every check
     if run.startswith("trial"):  # the block-only trial decides: fsdp ("trial") against ddp ("trialddp")
-        decision = {"decision": "trial"}
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, rule="crossfit", max_growths=2, alpha=0.5, verbose=False,
-                              seed=1, **({"min_gain": 0.0} | decision))  # fmt: skip
+        decision = Trial(min_gain=0.0)
+    grow = GrowUntilSaturated(schedule="periodic", decision=decision, rule="crossfit", max_growths=2, alpha=0.5,
+                              verbose=False, seed=1)  # fmt: skip
     trials = TrialWatch() if run.startswith("trial") else None
     ckpt_dir = os.path.join(out, f"{name}_ckpt")
     callbacks = [grow, after]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks import GrowUntilSaturated, Trial
 from growtrain.module import ImageClassifier
 
 SCALE, SHIFT = 10.0, 3.0
@@ -55,9 +55,8 @@ class Data(L.LightningDataModule):
 def _fit(tmp_path, in_hook: bool, decision: str) -> GrowUntilSaturated:
     L.seed_everything(0)
     dm = Data(in_hook)
-    kw = {"decision": "rule", "min_gain": None} if decision == "rule" else {"decision": "trial", "trial_epochs": 0.5}
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, rule="paper", t=1e-9, max_growths=1, probe=dm.probe_dataloader(),
-                              verbose=False, **kw)  # fmt: skip
+    grow = GrowUntilSaturated(schedule="periodic", decision="rule" if decision == "rule" else Trial(epochs=0.5),
+                              rule="paper", t=1e-9, max_growths=1, probe=dm.probe_dataloader(), verbose=False)
     trainer = L.Trainer(max_epochs=2, callbacks=[grow], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)  # fmt: skip
     trainer.fit(ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], in_channels=3), dm)

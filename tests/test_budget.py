@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import growtrain.callbacks.budget as budget_cb
 from growtrain import GrowForBudget
-from growtrain.budget import BudgetPlan, budget_verdict, carried, plan_problem, wsd_fraction
+from growtrain.budget import BudgetPlan, budget_verdict, carried, plan_problem, steps_cost, wsd_fraction
 from growtrain.data.text import TextDataModule
 from growtrain.lm import LanguageModel
 from growtrain.models.gpt import GPT, GPTConfig
@@ -129,7 +129,8 @@ class _Rates(Callback):
 
 def test_budget_fit_equal_flop_fork_rate_and_end(quiet_trainer_kwargs):
     rates = _Rates()
-    cb = GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, warmup=0.05, decay=0.2, min_lr_ratio=0.1)
+    cb = GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, warmup=0.05, decay=0.2, min_lr_ratio=0.1,
+                       statistic="carried")  # the equal-FLOP fork
     trainer, model = _fit(cb, 400, quiet_trainer_kwargs, extra=[rates])
     (record,) = cb.history  # one decision (grown or not, the phase ends after it)
     # equal FLOPs, counted independently: the run's steps at depth 1 against the arm's at depth 2
@@ -209,7 +210,7 @@ def test_copy_insertion_copies_the_block_below(quiet_trainer_kwargs, monkeypatch
 
 def test_a_stop_ends_growth_and_says_what_was_certified(quiet_trainer_kwargs, monkeypatch):
     monkeypatch.setattr(budget_cb, "budget_verdict", lambda lower, upper, margin: (False, True))
-    cb = GrowForBudget(checks=3, growth_phase=0.4, fork=0.05)
+    cb = GrowForBudget(checks=3, growth_phase=0.4, fork=0.05, statistic="carried")
     _fit(cb, 600, quiet_trainer_kwargs)
     (record,) = cb.history  # no decision after the one that stopped growth
     assert record["action"] == "stop" and cb.finished == "decision"
@@ -218,18 +219,73 @@ def test_a_stop_ends_growth_and_says_what_was_certified(quiet_trainer_kwargs, mo
     assert math.isfinite(record["far_gain_frac"]) and math.isfinite(record["half_gain_frac"])
 
 
-@pytest.mark.parametrize("extrapolate", [False, True])
-def test_the_decision_judges_the_gain_it_was_asked_to(quiet_trainer_kwargs, monkeypatch, extrapolate):
-    """extrapolate=True decides on the gain carried to the budget's end, else on the fork's own."""
+@pytest.mark.parametrize("statistic", ["fork", "carried", "steps"])
+def test_the_decision_judges_the_gain_it_was_asked_to(quiet_trainer_kwargs, monkeypatch, statistic):
+    """"carried" decides on the gain carried to the budget's end, "fork" on the fork's own, "steps" on the
+    equal-steps gain less the price of fewer steps."""
     judged = []
     real = budget_cb.budget_verdict
     monkeypatch.setattr(budget_cb, "budget_verdict", lambda lo, up, margin: judged.append((lo, up)) or real(lo, up, margin))
-    cb = GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, extrapolate=extrapolate)
+    cb = GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, statistic=statistic)
     _fit(cb, 400, quiet_trainer_kwargs)
     (record,) = cb.history
-    key = "far_" if extrapolate else ""
+    key = {"fork": "", "carried": "far_", "steps": "priced_"}[statistic]
     assert judged == [(record[key + "lower_frac"], record[key + "upper_frac"])]
     assert record["far_lower_frac"] != record["lower_frac"]
+    if statistic == "steps":  # the price comes off the fork's own bounds, and only there
+        assert record["priced_cost_frac"] > 0  # the run's loss falls over 400 steps: fewer steps cost
+        # the equal-steps gain carried from halfway to the end, on to the deeper network's last step
+        g1, g2, m = record["half_gain_frac"], record["gain_frac"], record["priced_log2_steps"]
+        horizon = record["priced_end_arm"] - record["step"]
+        assert m == pytest.approx(math.log2(horizon / record["run_steps"]))
+        g1 = g1 * record["half_loss_before"] / record["loss_before"]  # halfway's gain in the final loss's units
+        assert record["priced_carried_gain_frac"] == pytest.approx(g2 + m * (g2 - g1), abs=1e-9)
+        assert record["priced_gain_frac"] == pytest.approx(record["priced_carried_gain_frac"] - record["priced_cost_frac"])
+        assert record["priced_lower_frac"] == pytest.approx(record["priced_carried_lower_frac"] - record["priced_cost_frac"])
+        assert record["priced_upper_frac"] == pytest.approx(record["priced_carried_upper_frac"] - record["priced_cost_frac"])
+        assert record["priced_end_arm"] < record["priced_end_run"]
+
+
+def test_steps_statistic_trains_the_arm_as_many_steps_as_the_run(quiet_trainer_kwargs):
+    """Equal steps under "steps" (the arm spends more FLOPs, charged), fewer under "carried" (equal FLOPs)."""
+    steps = GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, statistic="steps")
+    _fit(steps, 400, quiet_trainer_kwargs)
+    flops = GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, statistic="carried")
+    _fit(flops, 400, quiet_trainer_kwargs)
+    (s,), (c,) = steps.history, flops.history
+    assert s["arm_steps"] == s["run_steps"] == c["run_steps"]
+    assert c["arm_steps"] < c["run_steps"]  # 2 blocks cost about twice 1 per step
+    assert "equal steps" in s["reason"] and "equal FLOPs" in c["reason"]
+    assert steps.decision_flops > flops.decision_flops
+
+
+def test_steps_cost_against_the_curve_written_out():
+    """On an exact curve L = E + A·S^(−½) the fit recovers A and prices fewer steps as the curve does; a
+    right-skewed noise (losses are skewed) leaves A within 10 %; a flat curve costs nothing."""
+    s = torch.arange(500, 1500, dtype=torch.float64)
+    y = 1.2 + 3.0 * s.pow(-0.5)
+    cost, a = steps_cost(s, y, end_run=9000.0, end_arm=6000.0)
+    assert a == pytest.approx(3.0, rel=1e-6)
+    assert cost == pytest.approx((1.2 + 3.0 * 6000**-0.5) - (1.2 + 3.0 * 9000**-0.5), rel=1e-6)
+    g = torch.Generator().manual_seed(0)
+    y_big = 1.2 + 30.0 * s.pow(-0.5)
+    noisy = y_big + 0.05 * (torch.empty_like(s).exponential_(generator=g) - 1.0)
+    assert steps_cost(s, noisy, end_run=9000.0, end_arm=6000.0)[1] == pytest.approx(30.0, rel=0.1)
+    assert steps_cost(s, torch.full_like(s, 1.5), end_run=9000.0, end_arm=6000.0)[0] == 0.0
+    assert steps_cost(s, 1.2 - 3.0 * s.pow(-0.5), end_run=9000.0, end_arm=6000.0)[0] == 0.0  # a rising curve
+    with pytest.raises(ValueError, match="at least 32"):
+        steps_cost(s[:10], y[:10], end_run=9000.0, end_arm=6000.0)
+
+
+def test_steps_statistic_refuses_a_training_step_without_its_loss(quiet_trainer_kwargs):
+    class NoLoss(LanguageModel):
+        def training_step(self, batch, batch_idx):  # a step Lightning skips: no loss comes back
+            super().training_step(batch, batch_idx)
+            return None
+
+    with pytest.raises(ValueError, match="statistic='steps'.*Fix: return the loss"):
+        _fit(GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, statistic="steps"), 400, quiet_trainer_kwargs,
+             model=NoLoss(n_layer=1, d_model=WIDTH, n_head=HEADS, block_size=CTX, vocab_size=256))
 
 
 def test_docs_options_table_matches_the_signature():
@@ -240,7 +296,7 @@ def test_docs_options_table_matches_the_signature():
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "budget.md").read_text()
     defaults = {k: v.default for k, v in inspect.signature(GrowForBudget).parameters.items()}
-    for name in ("growth_phase", "checks", "fork", "min_gain", "alpha", "insertion", "extrapolate"):
+    for name in ("growth_phase", "checks", "fork", "min_gain", "alpha", "insertion", "statistic"):
         row = re.search(rf"^\| `{name}` \| ([^|]+) \|", text, re.M)
         assert row, name
         shown = row.group(1).strip().strip("`").strip('"')

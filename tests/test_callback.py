@@ -21,7 +21,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import growtrain.callbacks.probe_check as probe_check_module
-from growtrain.callbacks import telemetry
+from growtrain.callbacks import Converged, Rule, telemetry
 from growtrain.callbacks.editor import insertion_order as _insertion_order
 from growtrain.callbacks.growth import FunctionChangedError, GrowUntilSaturated
 from growtrain.callbacks.probe_data import probe_overlap
@@ -66,7 +66,7 @@ def test_grows_then_stops_at_saturation(tmp_path):
     L.seed_everything(0)
     dm, module = tiny_dm(), ImageClassifier(width=4, num_classes=4)
     depth0, params0 = module.network.depth(), sum(p.numel() for p in module.parameters())
-    grow = GrowUntilSaturated(monitor=None, rule="paper", min_gain=None, verbose=False)
+    grow = GrowUntilSaturated(schedule="periodic", rule="paper", decision="rule", verbose=False)
     logger = CSVLogger(tmp_path, name="run")
     trainer = tiny_trainer(tmp_path, [grow], logger=logger, log_every_n_steps=1)
     trainer.fit(module, dm)
@@ -119,7 +119,7 @@ def test_table_printed_once_per_decision(tmp_path, monkeypatch):
     printed = []
     monkeypatch.setattr(telemetry, "rank_zero_info", printed.append)  # no RichProgressBar: logged
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="paper", t=1e-9, max_growths=1, verbose=True)
+    grow = GrowUntilSaturated(schedule="periodic", decision="rule", rule="paper", t=1e-9, max_growths=1, verbose=True)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
     trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm(synthetic_size=200, probe_size=40))
     tables = [m for m in printed if "growth check" in m]
@@ -134,7 +134,7 @@ def test_a_check_grows_one_block_at_the_best_site(tmp_path):
     largest ‖ĝ‖ (the paper rule's Γ̂ = max_l ‖ĝ_l‖), recomputed here from the per-site figures."""
     L.seed_everything(0)
     module = ImageClassifier(width=4, num_classes=4, blocks=(2, 1, 1))
-    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="paper", t=1e-9, max_growths=1, verbose=False)
+    grow = GrowUntilSaturated(schedule="periodic", decision="rule", rule="paper", t=1e-9, max_growths=1, verbose=False)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
     trainer.fit(module, tiny_dm(synthetic_size=200, probe_size=40))
     first = grow.history[0]
@@ -152,7 +152,8 @@ def test_a_check_grows_one_block_at_the_best_site(tmp_path):
 
 def test_continue_keeps_training_without_further_checks(tmp_path):
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="paper", t=1e3, on_saturated="continue", verbose=False)
+    grow = GrowUntilSaturated(schedule="periodic", decision="rule", rule="paper", t=1e3, on_saturated="continue",
+                              verbose=False)
     steps = CountSteps()
     trainer = tiny_trainer(tmp_path, [grow, steps], max_epochs=3)
     trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm(synthetic_size=200, probe_size=40))
@@ -162,7 +163,7 @@ def test_continue_keeps_training_without_further_checks(tmp_path):
 
 def test_budget_ends_growth_but_not_training(tmp_path):
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="paper", t=1e-9, max_growths=1, verbose=False)
+    grow = GrowUntilSaturated(schedule="periodic", decision="rule", rule="paper", t=1e-9, max_growths=1, verbose=False)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=3)
     module = ImageClassifier(width=4, num_classes=4)
     trainer.fit(module, tiny_dm(synthetic_size=200, probe_size=40))
@@ -183,7 +184,7 @@ def test_function_change_is_rolled_back_with_a_clear_error(tmp_path, monkeypatch
 
     L.seed_everything(0)
     module = ImageClassifier(width=4, num_classes=4)
-    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="paper", t=1e-9, verbose=False)
+    grow = GrowUntilSaturated(schedule="periodic", decision="rule", rule="paper", t=1e-9, verbose=False)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
     monkeypatch.setattr(probe_check_module, "measure_saturation", tampered)
     with pytest.raises(FunctionChangedError, match="insertion was undone"):
@@ -237,8 +238,8 @@ def test_users_own_module_with_probe_loader_and_loss(tmp_path):
     probe = DataLoader(Subset(ds, range(160, 240)), batch_size=40)
     L.seed_everything(0)
     module = UserModule()
-    grow = GrowUntilSaturated(monitor=None, probe=lambda: probe, network="trunk", loss_fn=F.cross_entropy, decision="rule", rule="paper", t=1e-9,
-                              max_growths=1, verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(schedule="periodic", probe=lambda: probe, network="trunk", loss_fn=F.cross_entropy,
+                              decision="rule", rule="paper", t=1e-9, max_growths=1, verbose=False)  # fmt: skip
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=2)
     trainer.fit(module, train)
     assert grow.history[0]["action"] == "grow" and len(module.trunk.blocks) == 2
@@ -262,13 +263,11 @@ def test_users_own_module_with_probe_loader_and_loss(tmp_path):
         ({"rule": "bonferroni"}, "rule"),
         ({"on_saturated": "halt"}, "on_saturated"),
         ({"lr_schedule": "reset"}, "lr_schedule"),
-        ({"mode": "up"}, "mode"),
-        ({"every_n_epochs": 0}, "every_n_epochs"),
+        ({"schedule": "sometimes"}, "schedule"),
         ({"max_growths": -1}, "max_growths"),
         ({"max_params": 0}, "max_params"),
         ({"decision": "guess"}, "decision"),
-        ({"trial_epochs": 0}, "trial_epochs"),
-        ({"min_gain": -0.1}, "min_gain"),
+        ({"decision": Converged()}, "decision"),
         ({"network": 3}, "network"),
         ({"loss_fn": "ce"}, "loss_fn"),
     ],
@@ -299,7 +298,7 @@ def test_no_probe_is_refused_in_setup(tmp_path):
     loaders = {"train_dataloaders": dm.train_dataloader(), "val_dataloaders": dm.val_dataloader()}
     _assert_refused_before_training(
         tmp_path, ImageClassifier(width=4, num_classes=4), loaders,
-        GrowUntilSaturated(monitor=None, verbose=False), "probe: no probe data",
+        GrowUntilSaturated(schedule="periodic", decision="trial", verbose=False), "probe: no probe data",
     )  # fmt: skip
 
 
@@ -307,9 +306,9 @@ def test_probe_overlapping_training_data_is_refused(tmp_path):
     ds = _blobs()
     train = DataLoader(Subset(ds, range(0, 160)), batch_size=32)
     probe = DataLoader(Subset(ds, range(150, 200)), batch_size=25)  # 10 samples shared
-    grow = GrowUntilSaturated(monitor=None, probe=probe, verbose=False)
+    grow = GrowUntilSaturated(schedule="periodic", decision="trial", probe=probe, verbose=False)
     _assert_refused_before_training(tmp_path, UserModule(), {"train_dataloaders": train}, grow, "overlaps the training")
-    same = GrowUntilSaturated(monitor=None, probe=DataLoader(ds, batch_size=40), verbose=False)
+    same = GrowUntilSaturated(schedule="periodic", decision="trial", probe=DataLoader(ds, batch_size=40), verbose=False)
     _assert_refused_before_training(tmp_path, UserModule(), {"train_dataloaders": DataLoader(ds)}, same, "same dataset")
 
 
@@ -318,7 +317,7 @@ def test_datamodule_with_overlapping_indices_is_refused(tmp_path):
     dm.setup("fit")
     dm._split = (dm._split[0], torch.cat([dm._split[1], dm._split[0][:3]]), dm._split[2])  # leak 3 train images
     _assert_refused_before_training(tmp_path, ImageClassifier(width=4, num_classes=4), {"datamodule": dm},
-                                    GrowUntilSaturated(monitor=None, verbose=False), "share 3 sample")  # fmt: skip
+                                    GrowUntilSaturated(schedule="periodic", decision="trial", verbose=False), "share 3 sample")  # fmt: skip
 
 
 def test_model_without_growable_network_is_refused(tmp_path):
@@ -350,12 +349,12 @@ def test_unsupported_strategies_are_refused_in_setup():
     for strategy, match in ((FSDPStrategy(), "FSDPStrategy"), (spawn, "spawn/fork-based DDP")):
         trainer = SimpleNamespace(strategy=strategy, world_size=2, datamodule=None)
         with pytest.raises(RuntimeError, match=match):
-            GrowUntilSaturated(monitor=None, verbose=False).setup(trainer, module, "fit")
+            GrowUntilSaturated(schedule="periodic", decision="trial", verbose=False).setup(trainer, module, "fit")
     assert module.network.growth_log == []
 
 
 def test_missing_monitor_metric_is_a_clear_error(tmp_path):
-    grow = GrowUntilSaturated(monitor="val_los", verbose=False)
+    grow = GrowUntilSaturated(schedule=Converged(monitor="val_los"), verbose=False)
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=1)
     with pytest.raises(RuntimeError, match="monitor: metric 'val_los' is not logged"):
         trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm(synthetic_size=200, probe_size=40))
@@ -388,8 +387,7 @@ def test_crossfit_rule_tests_every_check_at_alpha(tmp_path, monkeypatch):
 
     monkeypatch.setattr(crossfit_module, "_bound_factor", spy)
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="crossfit", delta=0.1, min_gain=None,
-                              verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(schedule="periodic", decision="rule", rule="crossfit", delta=0.1, verbose=False)  # fmt: skip
     trainer = tiny_trainer(tmp_path, [grow])
     trainer.fit(ImageClassifier(width=4, num_classes=4), tiny_dm())
     actions = [h["action"] for h in grow.history]
@@ -488,7 +486,7 @@ def test_the_depth_and_the_checks_figures_are_callback_metrics_a_checkpoint_can_
 
     L.seed_everything(0)
     module = ImageClassifier(width=4, num_classes=4, blocks=(1, 1, 1))
-    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="paper", t=1e-9, max_growths=2, verbose=False)
+    grow = GrowUntilSaturated(schedule="periodic", decision="rule", rule="paper", t=1e-9, max_growths=2, verbose=False)
     best = ModelCheckpoint(dirpath=tmp_path / "ck", monitor="growth/depth", mode="max", save_top_k=1,
                            filename="deepest-{growth/depth:.0f}", auto_insert_metric_name=False)  # fmt: skip
     seen = Seen()
@@ -534,7 +532,7 @@ def test_a_validation_loss_falling_at_every_run_never_plateaus(tmp_path, every):
     count as "no improvement" (patience 1 would then see a plateau at the first of them), and
     the epochs before the first run have no val_loss yet, which is waited for, not an error."""
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor="val_loss", patience=1, min_stage_epochs=1, min_rel_delta=0.0,
+    grow = GrowUntilSaturated(schedule=Converged(monitor="val_loss", patience=1, min_rel_delta=0.0, min_stage_epochs=1),
                               decision="rule", rule="paper", verbose=False)  # fmt: skip
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=7, limit_val_batches=1, check_val_every_n_epoch=every,
                            num_sanity_val_steps=0)  # fmt: skip
@@ -563,8 +561,8 @@ def test_the_checks_seconds_and_the_fits_survive_a_checkpoint():
 def test_a_validation_metric_whose_validation_never_runs_is_the_error_once_it_was_due(tmp_path):
     """validation_step but no validation data: Lightning skips validation; the monitor waits
     only until the first validation was due (every 2 epochs: epoch 1's end), then names the metric."""
-    grow = GrowUntilSaturated(monitor="val_loss", patience=1, min_stage_epochs=1, decision="rule", rule="paper",
-                              verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(schedule=Converged(monitor="val_loss", patience=1, min_stage_epochs=1), decision="rule",
+                              rule="paper", verbose=False)  # fmt: skip
     trainer = tiny_trainer(tmp_path, [grow], max_epochs=4, limit_val_batches=1, check_val_every_n_epoch=2,
                            num_sanity_val_steps=0)  # fmt: skip
     dm = tiny_dm(synthetic_size=200, probe_size=40)
@@ -604,7 +602,6 @@ def test_delta_outside_the_rule_decision_warns_that_it_changes_the_report_only(k
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         GrowUntilSaturated(delta=0.5, decision="rule", verbose=False, **kw)
-        GrowUntilSaturated(delta=0.5, min_gain=None, verbose=False, **kw)  # min_gain=None: the rule decides
         GrowUntilSaturated(verbose=False, **kw)
         GrowUntilSaturated(delta=0.0, verbose=False, **kw)
 
@@ -616,14 +613,17 @@ def test_the_options_are_kept_once_and_lr_schedule_is_resolved_in_one_place(tmp_
     the option as given."""
     from growtrain.callbacks.growth_config import GrowthConfig
 
-    grow = GrowUntilSaturated(patience=1, min_rel_delta=0.9, min_stage_epochs=1, anneal_epochs=1, min_gain=None,
-                              max_growths=0, verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(schedule=Converged(patience=1, min_rel_delta=0.9, min_stage_epochs=1, anneal_epochs=1),
+                              decision="rule", max_growths=0, verbose=False)  # fmt: skip
     names = GrowthConfig.names()
     assert not set(names) & set(vars(grow)) and "network_spec" not in vars(grow)  # no copy on the instance
     read = {n: getattr(grow, "network_spec" if n == "network" else n) for n in names}
     assert read == {n: getattr(grow.config, n) for n in names}
-    with pytest.raises(AttributeError, match=r"^min_gain: .*read-only.*Fix: build a new GrowUntilSaturated\(min_gain="):
-        grow.min_gain = 0.5
+    with pytest.raises(AttributeError, match=r"^schedule: .*read-only.*Fix: build a new GrowUntilSaturated\(schedule="):
+        grow.schedule = "periodic"
+    with pytest.raises(AttributeError):  # a part is frozen too (dataclasses.FrozenInstanceError)
+        grow.schedule.patience = 5
+    assert grow.schedule.patience == 1 and grow.decision == Rule()
     with pytest.raises(AttributeError, match=r"^lr_schedule: .*Fix:"):
         grow.lr_schedule = "restart"
     with pytest.raises(AttributeError):

@@ -23,7 +23,7 @@ from rich.console import Console
 
 from growtrain import decision as dec
 from growtrain import schedule_rules
-from growtrain.callbacks import GrowUntilSaturated, telemetry
+from growtrain.callbacks import GrowUntilSaturated, Periodic, Trial, telemetry
 from growtrain.callbacks.gamma_plot import final_state
 from growtrain.data import ImageDataModule
 from growtrain.models import cifar_resnet
@@ -187,7 +187,7 @@ def test_a_real_fit_that_stops_uncertified_never_says_saturated(tmp_path, monkey
     printed = []
     monkeypatch.setattr(telemetry, "rank_zero_info", printed.append)  # no progress bar: the texts are logged
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, decision="rule", rule="paper", t=1e3, verbose=True)
+    grow = GrowUntilSaturated(schedule="periodic", decision="rule", rule="paper", t=1e3, verbose=True)
     trainer = L.Trainer(max_epochs=3, callbacks=[grow], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
                         default_root_dir=tmp_path)  # fmt: skip
@@ -211,8 +211,8 @@ def test_a_real_fit_that_stops_certified_says_so(tmp_path, monkeypatch):
     printed = []
     monkeypatch.setattr(telemetry, "rank_zero_info", printed.append)
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, lr_schedule="anneal", anneal_epochs=1,
-                              on_saturated="anneal", min_gain=5.0, trial_epochs=0.5, verbose=True)  # fmt: skip
+    grow = GrowUntilSaturated(schedule=Periodic(every_n_epochs=2, anneal_epochs=1), lr_schedule="anneal",
+                              on_saturated="anneal", decision=Trial(min_gain=5.0, epochs=0.5), verbose=True)  # fmt: skip
     trainer = L.Trainer(max_epochs=8, callbacks=[grow], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
                         default_root_dir=tmp_path)  # fmt: skip

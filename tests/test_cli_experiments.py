@@ -33,7 +33,7 @@ trainer:
   default_root_dir: {root}
   callbacks:
     - class_path: growtrain.callbacks.GrowUntilSaturated
-      init_args: {{monitor: null, t: 1.0e-6, max_growths: 1, on_saturated: continue, verbose: false, decision: rule}}
+      init_args: {{schedule: periodic, t: 1.0e-6, max_growths: 1, on_saturated: continue, verbose: false, decision: rule}}
 model:
   class_path: growtrain.module.ImageClassifier
   init_args: {{width: 4}}

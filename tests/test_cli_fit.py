@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from growtrain.callbacks import Trial
 from growtrain.cli import GrowtrainCLI, main
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -70,8 +71,8 @@ def test_fit_quickstart_config_tiny(tmp_path):
 
     (grower,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "GrowUntilSaturated"]
     # as shipped: checks on a validation-loss plateau after a stage anneal, growth decided by block-only trials
-    assert (grower.monitor, grower.rule, grower.min_gain, grower.decision, grower.lr_schedule, grower.on_saturated) == (
-        "val_loss", "crossfit", 0.01, "trial", "anneal", "anneal")  # fmt: skip
+    assert (grower.schedule.monitor, grower.rule, grower.decision, grower.lr_schedule, grower.on_saturated) == (
+        "val_loss", "crossfit", Trial(min_gain=0.01), "anneal", "anneal")  # fmt: skip
     # growth ended as a budget at the first epoch (no probe), and the rest was the final anneal
     assert [h["action"] for h in grower.history] == ["budget"] and grower.finished == "budget"
     assert "reserved for the final anneal" in grower.history[0]["reason"] and grower.history[0]["epoch"] == 0
@@ -85,8 +86,8 @@ trainer:
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {save_last: true, save_top_k: 0}
     - class_path: growtrain.callbacks.GrowUntilSaturated
-      init_args: {monitor: null, rule: paper, t: 1.0e-9, delta: 0.0, max_growths: 1, verbose: false,
-                  lr_schedule: continue, min_gain: null, decision: rule, on_saturated: stop}
+      init_args: {schedule: periodic, rule: paper, t: 1.0e-9, delta: 0.0, max_growths: 1, verbose: false,
+                  lr_schedule: continue, decision: rule, on_saturated: stop}
                   # (jsonargparse merges these into the quickstart's; on_saturated: stop reserves no final anneal)
 """
 
@@ -261,19 +262,29 @@ def _callback_args(config: Path) -> dict | None:
                          ids=lambda p: str(p.relative_to(CONFIGS)))  # fmt: skip
 def test_no_shipped_config_makes_the_callback_warn(config):
     """A shipped config is one the code does not warn about nor refuse: its callback builds without
-    a warning, and under FSDP2 its strategy is one that setup accepts (data parallel only)."""
+    a warning as LightningCLI builds it (jsonargparse), each part the class its ``class_path`` names
+    (StageFork and Trial share min_gain: a config must not get the other), and under FSDP2 its
+    strategy is one that setup accepts (data parallel only)."""
+    import importlib
     import warnings
     from types import SimpleNamespace
 
     import yaml
+    from jsonargparse import ArgumentParser
 
     from growtrain.callbacks import GrowUntilSaturated
     from growtrain.callbacks.sharded import check_model_parallel
 
     args = _callback_args(config)
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(GrowUntilSaturated, "grow")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        grow = GrowUntilSaturated(**args)
+        grow = parser.instantiate(parser.parse_object({"grow": args})).grow
+    for part in ("schedule", "decision"):
+        if isinstance(args.get(part), dict):  # class_path: module.Name
+            module, _, name = args[part]["class_path"].rpartition(".")
+            assert type(getattr(grow, part)) is getattr(importlib.import_module(module), name), (config, part)
     strategy = ((yaml.safe_load(config.read_text()) or {}).get("trainer") or {}).get("strategy")
     if "ModelParallelStrategy" in str(strategy):
         # what setup checks under FSDP2 (data parallel only: tensor_parallel_size 1), without a GPU

@@ -30,7 +30,7 @@ def test_the_first_command_in_the_help_works_without_a_checkout(tmp_path, monkey
     """configs/quickstart.yaml exists only in a checkout: the help says so, and the command it
     gives for anywhere else parses and builds a growing run from a directory with no configs,
     seeded with 0 without Lightning's "No seed found" warning (it has no seed_everything line)."""
-    from growtrain.callbacks import GrowUntilSaturated
+    from growtrain.callbacks import Converged, GrowUntilSaturated
     from growtrain.cli import START_ANYWHERE
 
     with pytest.raises(SystemExit):
@@ -42,7 +42,7 @@ def test_the_first_command_in_the_help_works_without_a_checkout(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     cli = GrowtrainCLI(args=[*command[2:], "--trainer.logger=false"], run=False)
     (grow,) = [c for c in cli.trainer.callbacks if isinstance(c, GrowUntilSaturated)]
-    assert grow.monitor == "val_loss" and cli.trainer.max_epochs == 60
+    assert grow.schedule == Converged(monitor="val_loss") and cli.trainer.max_epochs == 60
     assert cli.trainer.default_root_dir == "runs/first" and list(tmp_path.iterdir()) == []  # nothing written yet
     assert cli.config.seed_everything == 0 and os.environ.get("PL_GLOBAL_SEED") == "0"
     assert not [w for w in recwarn if "No seed found" in str(w.message)]
@@ -58,7 +58,7 @@ def test_fit_help_says_how_to_list_the_growth_callbacks_arguments(capsys):
         main(["fit", "--trainer.callbacks.help", "growtrain.callbacks.GrowUntilSaturated"])
     assert done.value.code == 0
     out = capsys.readouterr().out
-    assert "--trainer.callbacks.min_gain" in out and "--trainer.callbacks.monitor" in out
+    assert "--trainer.callbacks.schedule" in out and "--trainer.callbacks.decision" in out
 
 
 def test_a_models_validation_error_is_the_first_line(tmp_path, capsys):
@@ -114,7 +114,7 @@ def test_a_former_option_in_a_config_file_is_the_parsers_error_before_any_output
         "trainer:\n  callbacks:\n"
         "    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      init_args: {save_last: true}\n"
         "    - class_path: growtrain.callbacks.GrowUntilSaturated\n"
-        "      init_args: {monitor: null, restore_best: false, min_gain: 0.01}\n"
+        "      init_args: {schedule: periodic, restore_best: false}\n"
     )  # fmt: skip
     err = _refused(tiny_fit_args(run, f"--config={tmp_path / 'old.yaml'}"), capsys)
     assert "'restore_best'" in err and "GrowUntilSaturated" in err, err

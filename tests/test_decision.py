@@ -16,7 +16,7 @@ import torch
 from torch.nn import functional as F
 
 from growtrain import decision as dec
-from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks import Converged, GrowUntilSaturated, Periodic, Rule, Trial
 from growtrain.saturation import measure_saturation
 from tests.helpers import cat_batches, make_net, num_classes, probe_batches, random_inputs
 
@@ -156,23 +156,26 @@ def test_bad_tau_is_refused_by_measure_saturation(tau):
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "cls, kwargs, match",
     [
-        ({"min_stage_epochs": 0}, r"min_stage_epochs: expected an integer >= 1; got 0\. Fix: pass min_stage_epochs=1"),
-        ({"min_rel_delta": -0.1}, r"min_rel_delta: expected a finite number >= 0"),
-        ({"anneal_epochs": 0}, r"anneal_epochs: expected an integer >= 1"),
-        ({"on_saturated": "finish"}, r"on_saturated: expected one of \('stop', 'continue', 'anneal'\)"),
-        ({"rule": "relatve"}, r"rule: expected one of \('paper', 'crossfit'\); got 'relatve'\. Fix: pass rule='paper'"),
-        ({"rule": "relative"}, r"rule: expected one of \('paper', 'crossfit'\); got 'relative'\. Fix: pass rule='paper'"),
+        (Converged, {"min_stage_epochs": 0},
+         r"Converged\.min_stage_epochs: expected an integer >= 1; got 0\. Fix: pass Converged\(min_stage_epochs=1\)"),
+        (Converged, {"min_rel_delta": -0.1}, r"Converged\.min_rel_delta: expected a finite number >= 0"),
+        (Periodic, {"anneal_epochs": 0}, r"Periodic\.anneal_epochs: expected an integer >= 1"),
+        (GrowUntilSaturated, {"on_saturated": "finish"}, r"on_saturated: expected one of \('stop', 'continue', 'anneal'\)"),
+        (GrowUntilSaturated, {"rule": "relatve"},
+         r"rule: expected one of \('paper', 'crossfit'\); got 'relatve'\. Fix: pass rule='paper'"),
+        (GrowUntilSaturated, {"rule": "relative"},
+         r"rule: expected one of \('paper', 'crossfit'\); got 'relative'\. Fix: pass rule='paper'"),
     ],
 )
-def test_bad_options_name_the_argument(kwargs, match):
+def test_bad_options_name_the_argument(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        GrowUntilSaturated(**kwargs)
+        cls(**kwargs)
 
 
 def test_defaults_tie_checks_to_convergence_and_judge_growth_by_its_gain():
     grow = GrowUntilSaturated()
-    assert (grow.rule, grow.monitor, grow.min_gain, grow.decision) == ("crossfit", "train_loss", 0.01, "trial")
-    assert dec.DEFAULT_MIN_GAIN == 0.01 and GrowUntilSaturated(min_gain=None).min_gain is None
+    assert (grow.rule, grow.schedule.monitor, grow.decision) == ("crossfit", "train_loss", Trial(min_gain=0.01))
+    assert dec.DEFAULT_MIN_GAIN == 0.01 and GrowUntilSaturated(decision="rule").decision == Rule()
     assert GrowUntilSaturated(t=0.5).rule == "paper"  # t is the paper rule's threshold

@@ -24,8 +24,8 @@ def test_measure_resolves_its_rule_like_the_callback(tiny_data):
     model = ImageClassifier(width=4, num_classes=4)
     default = run_measure(model, tiny_data)
     with_t = run_measure(model, tiny_data, t=0.5)
-    assert default.report.rule == DEFAULT_RULE == GrowUntilSaturated(monitor=None).rule
-    assert with_t.report.rule == "paper" == GrowUntilSaturated(monitor=None, t=0.5).rule
+    assert default.report.rule == DEFAULT_RULE == GrowUntilSaturated(schedule="periodic", decision="trial").rule
+    assert with_t.report.rule == "paper" == GrowUntilSaturated(schedule="periodic", decision="trial", t=0.5).rule
     assert all(r.projected is not None for r in default.report.sites)  # measure reports V_S
 
 
@@ -34,7 +34,8 @@ def test_documented_defaults():
     assert _default(GrowTrainer.measure, "rule") is None and _default(run_measure, "rule") is None
     assert _default(GrowTrainer.measure, "tau") == _default(run_measure, "tau") == DEFAULT_TAU
     # the callback never computes V_S: no option asks for it (projected was removed)
-    assert "projected" not in GrowthConfig.names() and not hasattr(GrowUntilSaturated(monitor=None), "projected")
+    assert "projected" not in GrowthConfig.names() and not hasattr(GrowUntilSaturated(schedule="periodic",
+                                                                                      decision="trial"), "projected")
     # measure is the V_S report: projected on; the sweep is a decision-free Figure 1: off
     assert _default(GrowTrainer.measure, "projected") is True and _default(run_measure, "projected") is True
     assert _default(GrowTrainer.sweep, "projected") is False and _default(run_sweep, "projected") is False

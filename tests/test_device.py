@@ -295,7 +295,7 @@ def test_a_fit_in_64_true_precision_grows(tmp_path, rule):
                          val_size=8, batch_size=16, augment=False, channels=1)  # fmt: skip
     module = _image_module()
     kw = dict(t=1e-9) if rule == "paper" else {}
-    grow = GrowUntilSaturated(rule=rule, monitor=None, every_n_epochs=1, max_growths=1, verbose=False, **kw)
+    grow = GrowUntilSaturated(rule=rule, schedule="periodic", decision="trial", max_growths=1, verbose=False, **kw)
     trainer = L.Trainer(max_epochs=1, precision="64-true", callbacks=[grow], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         default_root_dir=tmp_path, accelerator="cpu")  # fmt: skip

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from growtrain import GrowUntilSaturated
+from growtrain import GrowUntilSaturated, Trial
 from growtrain.data import ImageDataModule
 from growtrain.decision import DEFAULT_MIN_GAIN, DEFAULT_RULE
 from growtrain.experiments.measure import run_measure
@@ -41,7 +41,8 @@ def quickstart_numbers() -> dict:
     grow = next(c["init_args"] for c in QUICKSTART["trainer"]["callbacks"] if c["class_path"].endswith("GrowUntilSaturated"))
     return {"train": embedded_train_size() - data["probe_size"] - data["val_size"], "probe": data["probe_size"],
             "val": data["val_size"], "subset": data["train_subset"], "epochs": QUICKSTART["trainer"]["max_epochs"],
-            "anneal": grow["anneal_epochs"], "min_gain": grow["min_gain"]}  # fmt: skip
+            "anneal": grow["schedule"]["init_args"]["anneal_epochs"],
+            "min_gain": grow["decision"]["init_args"]["min_gain"]}  # fmt: skip
 
 
 def test_quickstart_splits_and_epochs_agree_with_its_config():
@@ -63,23 +64,26 @@ def test_the_python_quickstart_is_the_config():
     model = QUICKSTART["model"]["init_args"]
     sgd = model["optimizer"]["init_args"]
     grow = next(c["init_args"] for c in QUICKSTART["trainer"]["callbacks"] if c["class_path"].endswith("GrowUntilSaturated"))
+    when, what = grow["schedule"], grow["decision"]
+    assert (when["class_path"], what["class_path"]) == ("growtrain.Converged", "growtrain.Trial")
+    stage, trial = when["init_args"], what["init_args"]
     phrases = [
         f"L.seed_everything({QUICKSTART['seed_everything']})",
         f"ImageDataModule(probe_size={data['probe_size']}, val_size={data['val_size']}, train_subset="
         f"{data['train_subset']}, augment={data['augment']})",
         f"ImageClassifier(in_channels=1, width={model['width']}, optimizer=lambda params: torch.optim.SGD(params, "
         f"lr={sgd['lr']}, momentum={sgd['momentum']}, weight_decay={sgd['weight_decay']:.0e}))".replace("e-0", "e-"),
-        f'GrowUntilSaturated(monitor="{grow["monitor"]}", patience={grow["patience"]}, min_rel_delta='
-        f'{grow["min_rel_delta"]}, lr_schedule="{grow["lr_schedule"]}", anneal_epochs={grow["anneal_epochs"]}, '
-        f'max_growths={grow["max_growths"]}, on_saturated="{grow["on_saturated"]}")',
+        f'GrowUntilSaturated(schedule=Converged(monitor="{stage["monitor"]}", patience={stage["patience"]}, '
+        f'min_rel_delta={stage["min_rel_delta"]}, anneal_epochs={stage["anneal_epochs"]}), '
+        f'lr_schedule="{grow["lr_schedule"]}", max_growths={grow["max_growths"]}, on_saturated="{grow["on_saturated"]}")',
         f"L.Trainer(max_epochs={QUICKSTART['trainer']['max_epochs']}, callbacks=[grow, GammaTracePlot()])",
     ]  # fmt: skip
     assert model["blocks"] == [1, 1, 1] and model["family"] == "basic"  # ImageClassifier's defaults
     assert sgd["lr"] and QUICKSTART["model"]["init_args"]["optimizer"]["class_path"] == "torch.optim.SGD"
-    assert set(grow) == {"monitor", "patience", "min_rel_delta", "min_stage_epochs", "lr_schedule", "anneal_epochs",
-                         "rule", "min_gain", "alpha", "max_growths", "on_saturated", "decision"}  # fmt: skip
-    assert (grow["min_stage_epochs"], grow["rule"], grow["min_gain"], grow["alpha"]) == (2, "crossfit", 0.01, 0.05)
-    assert grow["decision"] == GrowUntilSaturated().decision  # the shipped config states the default
+    assert set(grow) == {"schedule", "lr_schedule", "rule", "alpha", "max_growths", "on_saturated", "decision"}
+    assert set(stage) == {"monitor", "patience", "min_rel_delta", "min_stage_epochs", "anneal_epochs"}
+    assert (stage["min_stage_epochs"], grow["rule"], trial, grow["alpha"]) == (2, "crossfit", {"min_gain": 0.01}, 0.05)
+    assert GrowUntilSaturated().decision == Trial(**trial)  # the shipped config states the default
     page = text("README.md").replace("( ", "(")
     for phrase in phrases:
         assert phrase in page, phrase
@@ -184,6 +188,33 @@ def test_callback_defaults_in_docs_agree_with_the_signature():
     readme = text("README.md")
     assert f"`min_gain` (default {100 * DEFAULT_MIN_GAIN:g} %)" in readme
     assert f"`alpha` (default {params['alpha'].default:g})" in readme
+
+
+def test_every_field_of_the_callbacks_parts_has_a_row_with_its_default():
+    """docs/callback.md's tables of the parts (``Converged``, ``Periodic``, ``Trial``, ``StageFork``): one
+    row per field, named ``Part.field``, with the field's default as written."""
+    from dataclasses import fields
+
+    from growtrain import Converged, Periodic, StageFork, Trial
+
+    rows: dict[str, str] = {}
+    for line in (ROOT / "docs" / "callback.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 4:
+            continue
+        names = re.findall(r"`([A-Z][A-Za-z]+\.[a-z_]+)`", cells[0])
+        if not names:
+            continue
+        defaults = re.findall(r"`([^`]+)`", cells[1])
+        if len(defaults) == 1 and len(names) > 1:
+            defaults *= len(names)
+        assert len(names) == len(defaults), line[:120]
+        for name, default in zip(names, defaults):
+            assert name not in rows, f"{name} has two rows"
+            rows[name] = default
+    expected = {f"{part.__name__}.{f.name}": _as_written(f.default)
+                for part in (Converged, Periodic, Trial, StageFork) for f in fields(part)}  # fmt: skip
+    assert rows == expected
 
 
 def test_measures_documented_rule_is_the_code_default():

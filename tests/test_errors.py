@@ -39,7 +39,7 @@ def _dm(**kw) -> ImageDataModule:
 # -- an empty probe is refused before training -------------------------------------------------
 def test_empty_probe_is_refused_before_any_training_step(tmp_path):
     steps = CountSteps()
-    grower = GrowUntilSaturated(monitor=None, every_n_epochs=1, verbose=False)
+    grower = GrowUntilSaturated(schedule="periodic", decision="trial", verbose=False)
     calls = []
     real_setup = GrowUntilSaturated.setup
     grower.setup = lambda *a, **k: (calls.append("setup"), real_setup(grower, *a, **k))  # noqa: E731
@@ -179,7 +179,8 @@ def test_nan_probe_loss_inside_a_fit_stops_it_with_the_model_unchanged(tmp_path,
         return F.cross_entropy(out, y) * float("nan")
 
     module = ImageClassifier(width=4, in_channels=3, num_classes=4)
-    grower = GrowUntilSaturated(monitor=None, loss_fn=nan_loss, rule=rule, every_n_epochs=1, verbose=False)
+    grower = GrowUntilSaturated(schedule="periodic", decision="trial", loss_fn=nan_loss, rule=rule,
+                                verbose=False)
     with pytest.raises(FloatingPointError, match=r"probe batch 0: the loss is nan; no decision was made"):
         _trainer(tmp_path, [grower]).fit(module, _dm())
     assert module.network.growth_log == [] and grower.history == []
@@ -326,7 +327,7 @@ def test_float_targets_of_the_outputs_shape_need_a_loss_named(tmp_path, given):
     probe = DataLoader(data[:32], batch_size=16)
     loss = {"mse": torch.nn.functional.mse_loss, "soft_labels": torch.nn.functional.cross_entropy}.get(given)
     steps = CountSteps()
-    grower = GrowUntilSaturated(monitor=None, every_n_epochs=1, rule="paper", min_gain=None, probe=probe,
+    grower = GrowUntilSaturated(schedule="periodic", rule="paper", decision="rule", probe=probe,
                                 loss_fn=loss, verbose=False)  # fmt: skip
     trainer = _trainer(tmp_path, [steps, grower], max_epochs=1)
     model = Regressor()

@@ -178,7 +178,8 @@ def test_compare_resumes_without_redoing_finished_rows(tmp_path, count_fits):
 def test_compare_continuous_mode_grows_then_trains_the_same_architecture(tmp_path):
     from growtrain.callbacks import GrowUntilSaturated
 
-    grow = GrowUntilSaturated(monitor=None, t=1e-6, max_growths=1, on_saturated="continue", decision="rule", verbose=False)  # t tiny: always grows
+    grow = GrowUntilSaturated(schedule="periodic", t=1e-6, max_growths=1, on_saturated="continue", decision="rule",
+                              verbose=False)  # t tiny: always grows
     with pytest.warns(UserWarning, match=CAPPED):
         result = run_compare(
             tiny_model(), tiny_data(), trainer_kwargs=tiny_trainer(max_epochs=2, callbacks=[grow], logger=True),

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks import GrowUntilSaturated, Periodic, StageFork
 from growtrain.callbacks import fork_check
 from growtrain.data import ImageDataModule
 from growtrain.fork import adopt, fork_test, fork_verdict, make_arm
@@ -176,8 +176,8 @@ def fit(tmp_path, callbacks, max_epochs=6):
     return model, trainer
 
 
-def fork_cb(**kw):
-    kw = {"schedule": "periodic", "decision": "stage_fork", "every_n_epochs": 2, "min_gain": 0.01,
+def fork_cb(min_gain=0.01, every_n_epochs=2, **kw):
+    kw = {"schedule": Periodic(every_n_epochs=every_n_epochs), "decision": StageFork(min_gain=min_gain),
           "on_saturated": "continue", "verbose": False} | kw
     return GrowUntilSaturated(**kw)
 
@@ -271,7 +271,6 @@ def test_the_fork_state_survives_the_callbacks_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("kw, arg", [
     ({"decision": "stage_fork"}, "decision"),  # the converged schedule
-    ({"schedule": "periodic", "decision": "stage_fork", "min_gain": None}, "decision"),
     ({"schedule": "periodic", "decision": "fork"}, "decision"),  # the one-block fork: removed
 ])  # fmt: skip
 def test_bad_fork_options_are_refused_naming_the_argument(kw, arg):

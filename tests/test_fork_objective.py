@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks import GrowUntilSaturated, Periodic, StageFork
 from growtrain.callbacks import fork_check
 from growtrain.data import ImageDataModule
 from growtrain.families.generic import GrowableStack
@@ -30,8 +30,8 @@ def tiny_dm() -> ImageDataModule:
                            val_size=40, batch_size=32, augment=False)  # fmt: skip
 
 
-def fork_cb(**kw):
-    kw = {"schedule": "periodic", "decision": "stage_fork", "every_n_epochs": 2, "min_gain": 10.0,
+def fork_cb(min_gain=10.0, every_n_epochs=2, **kw):
+    kw = {"schedule": Periodic(every_n_epochs=every_n_epochs), "decision": StageFork(min_gain=min_gain),
           "on_saturated": "continue", "verbose": False} | kw
     return GrowUntilSaturated(**kw)
 

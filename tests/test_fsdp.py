@@ -239,7 +239,7 @@ def _setup(strategy, world_size=2, **options):
     from growtrain.module import ImageClassifier
 
     trainer = SimpleNamespace(strategy=strategy, world_size=world_size, datamodule=None)
-    GrowUntilSaturated(monitor=None, verbose=False, **options).setup(trainer, ImageClassifier(width=4), "fit")
+    GrowUntilSaturated(verbose=False, **options).setup(trainer, ImageClassifier(width=4), "fit")
 
 
 def test_refused_strategies_name_the_reason_and_the_alternative():
@@ -256,7 +256,7 @@ def test_refused_strategies_name_the_reason_and_the_alternative():
     # every decision but the stage fork passes the strategy check under FSDP2 (the block-only trial too: gpt:trial
     # runs it); the stage fork's arm is a full, unsharded copy: refused with the fix
     for accepted in ({}, {"decision": "trial"}, {"schedule": "periodic", "decision": "trial"},
-                     {"decision": "rule", "min_gain": None}):  # fmt: skip
+                     {"decision": "rule"}):  # fmt: skip
         with pytest.raises(ValueError, match="probe: no probe data"):  # on to the next one (no datamodule here)
             _setup(fsdp2, **accepted)
     with pytest.raises(RuntimeError, match=r"^strategy: decision='stage_fork' .*decision='trial' under FSDP2"):

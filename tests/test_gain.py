@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 
 from growtrain.gain import GAIN_METHODS, gain_test
-from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks import GrowUntilSaturated, Rule, StageFork, Trial
 from growtrain.callbacks.probe_data import ProbeView, per_sample_losses, refuse_random_probe
 from growtrain.data import ImageDataModule
 from growtrain.module import ImageClassifier
@@ -85,10 +85,13 @@ def test_per_sample_losses_equal_unreduced_cross_entropy_in_eval_mode():
     torch.testing.assert_close(got.float(), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("value", [-0.1, math.nan, math.inf, "1%", True])
-def test_bad_min_gain_is_refused_at_construction(value):
-    with pytest.raises(ValueError, match=r"min_gain: expected None or a finite number >= 0.*Fix: pass min_gain=0.01"):
-        GrowUntilSaturated(min_gain=value)
+@pytest.mark.parametrize("value", [-0.1, math.nan, math.inf, "1%", True, None])
+@pytest.mark.parametrize("part", [Trial, StageFork])
+def test_bad_min_gain_is_refused_at_construction(part, value):
+    name = part.__name__
+    with pytest.raises(ValueError, match=rf"^{name}\.min_gain: expected a finite number >= 0.*Fix: pass "
+                                         rf"{name}\(min_gain=0\.01\).*decision='rule'"):  # fmt: skip
+        part(min_gain=value)
 
 
 def test_the_end_of_fit_summary_shows_the_margin_column_only_when_a_margin_was_set():
@@ -154,8 +157,7 @@ def test_a_check_does_not_move_the_training_random_stream(tmp_path, monkeypatch)
 
     def final_weights(**kw):
         L.seed_everything(0)
-        grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, on_saturated="continue", min_gain=None,
-                                  verbose=False, **kw)  # fmt: skip
+        grow = GrowUntilSaturated(schedule="periodic", decision="rule", on_saturated="continue", verbose=False, **kw)
         trainer = L.Trainer(max_epochs=3, callbacks=[grow], logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
         model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic")
@@ -175,17 +177,17 @@ def test_a_shuffling_probe_loader_is_refused_at_setup():
 
     dm = tiny_dm()
     probe = DataLoader(TensorDataset(torch.randn(64, 3, 8, 8), torch.randint(4, (64,))), batch_size=16, shuffle=True)
-    grow = GrowUntilSaturated(probe=probe, monitor=None, min_gain=0.01, verbose=False)
+    grow = GrowUntilSaturated(probe=probe, schedule="periodic", decision=Trial(min_gain=0.01), verbose=False)
     trainer = L.Trainer(max_epochs=1, callbacks=[grow], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic")
     with pytest.raises(ValueError, match=r"probe: min_gain compares.*RandomSampler \(shuffle=True\).*shuffle=False"):
         trainer.fit(model, dm)
     assert trainer.global_step == 0  # refused before any training
-    # min_gain=None (the first-order rule alone): the order does not matter, the same loader is accepted
-    grow = GrowUntilSaturated(probe=probe, monitor=None, min_gain=None, max_growths=0, verbose=False)
+    # decision="rule" (the first-order rule alone): the order does not matter, the same loader is accepted
+    grow = GrowUntilSaturated(probe=probe, schedule="periodic", decision="rule", max_growths=0, verbose=False)
     trainer = L.Trainer(max_epochs=1, limit_train_batches=1, callbacks=[grow], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     trainer.fit(model, dm)
-    assert trainer.global_step == 1 and grow.decision == "rule"
+    assert trainer.global_step == 1 and grow.decision == Rule()
     refuse_random_probe(DataLoader(probe.dataset, batch_size=16), "probe")  # the same data unshuffled: accepted

@@ -150,9 +150,10 @@ def test_a_real_stage_fork_fits_history_draws_its_panel(tmp_path):
     """The callback's own records (not the synthetic ones above): a periodic fit whose fork can never pay
     (min_gain = 1000 %) opens one at its first check and stops when it is judged at the next."""
     from growtrain.plots import outcome
+    from growtrain.callbacks import StageFork
     from tests.test_periodic import periodic_fit
 
-    grow, *_ = periodic_fit(tmp_path, max_epochs=12, decision="stage_fork", rule="crossfit", t=None, min_gain=10.0)
+    grow, *_ = periodic_fit(tmp_path, max_epochs=12, decision=StageFork(min_gain=10.0), rule="crossfit", t=None)
     history = grow.history
     empty = [h["epoch"] for h in history if "gain_frac" not in h["fork"]]
     full = [h for h in history if "gain_frac" in h["fork"]]

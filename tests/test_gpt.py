@@ -197,7 +197,7 @@ def test_checkpoint_round_trip_rebuilds_the_grown_depth(datamodule, tmp_path):
 def test_fit_grows_and_resumes_with_the_grown_depth(datamodule, tmp_path):
     from growtrain.callbacks import GrowUntilSaturated
 
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, delta=0.0, t=1e-6, max_growths=1)
+    grow = GrowUntilSaturated(schedule="periodic", decision="trial", delta=0.0, t=1e-6, max_growths=1)
     model = tiny_lm(datamodule, n_layer=1)
     # no automatic checkpoints: the resume below is from the one saved by hand (a ModelCheckpoint's
     # state in it would make Lightning warn that the resumed run's checkpoint folder differs)
@@ -208,7 +208,7 @@ def test_fit_grows_and_resumes_with_the_grown_depth(datamodule, tmp_path):
     path = tmp_path / "after_growth.ckpt"
     t.save_checkpoint(path)
     resumed = tiny_lm(datamodule, n_layer=1)
-    again = GrowUntilSaturated(monitor=None, every_n_epochs=1, delta=0.0, t=1e-6, max_growths=1)
+    again = GrowUntilSaturated(schedule="periodic", decision="trial", delta=0.0, t=1e-6, max_growths=1)
     t2 = trainer(tmp_path / "resume", max_epochs=3, callbacks=[again])
     t2.fit(resumed, datamodule, ckpt_path=str(path))
     assert resumed.network.depth() == 2  # rebuilt from the checkpoint; max_growths already used

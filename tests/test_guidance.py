@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Subset
 
-from growtrain import GrowUntilSaturated
+from growtrain import Converged, GrowUntilSaturated, Periodic, StageFork, Trial
 from growtrain.callbacks import GammaTracePlot, guidance, telemetry
 from growtrain.data import ImageDataModule
 from growtrain.module import ImageClassifier
@@ -55,7 +55,7 @@ def _text(renderable) -> str:
 # -- a fit with no check says so, with the reason and the fix -----------------------------------------
 def test_a_fit_without_a_check_warns_and_its_summary_says_why(tmp_path, monkeypatch):
     printed = _printed(monkeypatch)
-    grow = GrowUntilSaturated(patience=5, min_stage_epochs=2, min_gain=None)
+    grow = GrowUntilSaturated(schedule=Converged(patience=5, min_stage_epochs=2), decision="rule")
     with pytest.warns(UserWarning, match=r"no growth check ran in this fit of 2 epoch\(s\)") as caught:
         _trainer(tmp_path, [grow]).fit(ImageClassifier(width=4, in_channels=3, num_classes=4), _dm())
     message = next(str(w.message) for w in caught if "no growth check ran" in str(w.message))
@@ -63,7 +63,8 @@ def test_a_fit_without_a_check_warns_and_its_summary_says_why(tmp_path, monkeypa
     assert "a plateau needs patience=5 epochs in a row without an improvement larger than min_rel_delta×|best|" in message
     assert "(min_stage_epochs=2)" in message
     assert "no growth_history.json or gamma_trace.png was written" in message
-    assert "Fix: train longer (trainer.max_epochs or max_steps)" in message and "monitor=None with every_n_epochs" in message
+    assert "Fix: train longer (trainer.max_epochs or max_steps)" in message
+    assert "a smaller Converged.patience (now 5)" in message and "schedule=Periodic(every_n_epochs=N)" in message
     assert grow.history == [] and not (tmp_path / "growth_history.json").exists()
     (summary,) = printed
     assert "no growth check ran" in summary and "never plateaued" in summary
@@ -72,31 +73,30 @@ def test_a_fit_without_a_check_warns_and_its_summary_says_why(tmp_path, monkeypa
 
 
 def test_no_check_message_without_a_monitor_names_every_n_epochs():
-    text = guidance.no_check_message(monitor=None, best=None, wait=0, patience=3, mode="min", min_rel_delta=0.01,
-                                     min_stage_epochs=2, stage_epochs=2, every_n_epochs=5, epochs=2,
+    text = guidance.no_check_message(schedule=Periodic(every_n_epochs=5), best=None, wait=0, stage_epochs=2, epochs=2,
                                      waiting="next check in 3 epoch(s)")  # fmt: skip
     assert "every_n_epochs=5 is more than the 2 training epoch(s)" in text and "next check in 3 epoch(s)" in text
-    assert "a smaller every_n_epochs" in text
+    assert "a smaller Periodic.every_n_epochs" in text and "patience" not in text
 
 
 @pytest.mark.parametrize("interval", [{"every_n_epochs": 5}, {"min_steps_between_checks": 1000}])
 def test_a_periodic_fit_without_a_check_names_its_interval_not_a_monitor(tmp_path, interval):
     """The periodic schedule never consults the monitor: a fit too short for its first check says
     which interval was too long (in epochs, or in optimizer steps), with the fix."""
-    grow = GrowUntilSaturated(schedule="periodic", verbose=False, **interval)
+    grow = GrowUntilSaturated(schedule=Periodic(**interval), verbose=False)
     with pytest.warns(UserWarning, match=r"no growth check ran in this fit of 2 epoch\(s\)") as caught:
         trainer = _trainer(tmp_path, [grow])
         trainer.fit(ImageClassifier(width=4, in_channels=3, num_classes=4), _dm())
     message = next(str(w.message) for w in caught if "no growth check ran" in str(w.message))
-    assert "never plateaued" not in message and "monitor=None" not in message
+    assert "never plateaued" not in message and "monitor" not in message
     if "every_n_epochs" in interval:
         assert "every_n_epochs=5 is more than the 2 training epoch(s)" in message
-        assert "next check in 3 epoch(s)" in message and "a smaller every_n_epochs" in message
+        assert "next check in 3 epoch(s)" in message and "a smaller Periodic.every_n_epochs" in message
     else:
         steps = trainer.global_step
         assert f"min_steps_between_checks=1000 is more than the {steps} optimizer step(s) of this fit" in message
         assert f"next check after {1000 - steps} more optimizer step(s)" in message
-        assert "a smaller min_steps_between_checks" in message
+        assert "a smaller Periodic.min_steps_between_checks" in message
 
 
 # -- the default monitor works on any LightningModule --------------------------------------------------
@@ -109,9 +109,9 @@ def test_default_monitor_uses_the_loss_training_step_returns(tmp_path, caplog):
     module = UserModule()
     # min_rel_delta=0.9: an epoch that does not cut the loss by 90 % is no improvement, so a plateau
     # after patience=1 epoch; the check needs the monitor's value at every epoch end.
-    grow = GrowUntilSaturated(probe=probe, network="trunk", loss_fn=F.cross_entropy, patience=1, min_rel_delta=0.9,
-                              min_stage_epochs=1, max_growths=1, min_gain=None, lr_schedule="continue",
-                              verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(probe=probe, network="trunk", loss_fn=F.cross_entropy,
+                              schedule=Converged(patience=1, min_rel_delta=0.9, min_stage_epochs=1), max_growths=1,
+                              decision="rule", lr_schedule="continue", verbose=False)  # fmt: skip
     with caplog.at_level("INFO", logger="lightning.pytorch"):  # other tests raise that logger's level
         _trainer(tmp_path, [grow], max_epochs=3).fit(module, train)
     assert len(grow.history) >= 1 and grow.history[0]["epoch"] == 1
@@ -128,7 +128,7 @@ def test_returned_loss_mean_is_the_epoch_mean():
 
 
 def test_a_metric_asked_for_and_never_logged_is_an_error_naming_it(tmp_path):
-    grow = GrowUntilSaturated(monitor="val_loss", verbose=False, min_gain=None)
+    grow = GrowUntilSaturated(schedule=Converged(monitor="val_loss"), verbose=False, decision="rule")
     with pytest.raises(RuntimeError) as info:
         _trainer(tmp_path, [grow], max_epochs=1).fit(ImageClassifier(width=4, in_channels=3, num_classes=4), _dm())
     text = str(info.value)
@@ -138,21 +138,23 @@ def test_a_metric_asked_for_and_never_logged_is_an_error_naming_it(tmp_path):
 
 
 # -- options that would do nothing -----------------------------------------------------------------------
-def test_every_n_epochs_with_a_monitor_warns():
-    with pytest.warns(UserWarning, match=r"every_n_epochs=3 has no effect while monitor='train_loss'.*monitor=None"):
-        GrowUntilSaturated(every_n_epochs=3)
-    with pytest.warns(UserWarning, match=r"every_n_epochs=1 has no effect while monitor='val_loss'"):
-        GrowUntilSaturated(every_n_epochs=1, monitor="val_loss")  # silently ignored before
+def test_an_interval_beside_a_monitor_cannot_be_given():
+    """An interval under a plateau schedule would do nothing (it was a warning while both were flat options):
+    Converged has no interval field and Periodic no monitor, so the combination is Python's TypeError."""
+    with pytest.raises(TypeError, match="every_n_epochs"):
+        Converged(every_n_epochs=3)
+    with pytest.raises(TypeError, match="monitor"):
+        Periodic(monitor="val_loss")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert GrowUntilSaturated(every_n_epochs=3, monitor=None).every_n_epochs == 3
-        assert GrowUntilSaturated().every_n_epochs == 1 and GrowUntilSaturated(monitor=None).every_n_epochs == 1
+        assert GrowUntilSaturated(schedule=Periodic(every_n_epochs=3), decision="trial").schedule.every_n_epochs == 3
+        assert GrowUntilSaturated(schedule="periodic").schedule.every_n_epochs == 1
 
 
 # -- every fit says where its outputs are ----------------------------------------------------------------
 def test_summary_says_where_the_outputs_are(tmp_path, monkeypatch):
     printed = _printed(monkeypatch)
-    grow = GrowUntilSaturated(monitor=None, min_gain=None, max_growths=0)
+    grow = GrowUntilSaturated(schedule="periodic", decision="rule", max_growths=0)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
     trainer = _trainer(tmp_path, [grow, ckpt, GammaTracePlot()], max_epochs=1, enable_checkpointing=True,
                        logger=CSVLogger(tmp_path, name="logs"), log_every_n_steps=1)  # fmt: skip
@@ -169,7 +171,7 @@ def test_summary_says_which_checkpoint_holds_the_network_handed_over(tmp_path, m
     network the fit handed over (checked: its weights are the model's at the end) and that
     best_train is the lowest-train_loss save, possibly an earlier, shallower network."""
     printed = _printed(monkeypatch)
-    grow = GrowUntilSaturated(monitor=None, min_gain=None, max_growths=0)
+    grow = GrowUntilSaturated(schedule="periodic", decision="rule", max_growths=0)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", filename="best_train", monitor="train_loss", mode="min",
                            save_top_k=1, save_last=True, save_on_train_epoch_end=True)  # fmt: skip
     trainer = _trainer(tmp_path, [grow, ckpt], max_epochs=2, enable_checkpointing=True)
@@ -263,43 +265,46 @@ def test_gamma_trace_with_the_paper_rule_draws_gamma_against_delta_plus_t():
     assert lines[r"$\hat\Gamma$ (decided)"] == ([3], [0.2]) and lines[r"$\delta+t$: grow above"] == ([3], [0.6])
 
 
-def test_the_stopping_experiments_scratch_rule_does_not_warn_about_every_n_epochs():
+def test_the_stopping_experiments_scratch_rule_keeps_the_schedule_and_does_not_warn():
     from growtrain.experiments.stopping import _scratch_grower
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        scratch = _scratch_grower(GrowUntilSaturated(monitor="val_loss", min_gain=None))
-        fixed = _scratch_grower(GrowUntilSaturated(monitor=None, every_n_epochs=3, min_gain=None))
-    assert (scratch.every_n_epochs, scratch.max_growths, fixed.every_n_epochs) == (1, 0, 3)
+        scratch = _scratch_grower(GrowUntilSaturated(schedule=Converged(monitor="val_loss"), decision="rule"))
+        fixed = _scratch_grower(GrowUntilSaturated(schedule=Periodic(every_n_epochs=3), decision="rule"))
+    assert (scratch.schedule, scratch.max_growths) == (Converged(monitor="val_loss"), 0)
+    assert (fixed.schedule, fixed.max_growths) == (Periodic(every_n_epochs=3), 0)
 
 
 def test_the_stopping_experiments_rules_keep_a_step_interval():
     """A growth callback counting optimizer steps (min_steps_between_checks) is rebuilt for the seeded
-    growth rows and the scratch rows with its interval, not with every_n_epochs=1 beside it
-    (which would be refused)."""
+    growth rows and the scratch rows with its interval (its schedule passes as the part it is)."""
     from growtrain.experiments.stopping import _scratch_grower, _seeded_grower
 
-    grow = GrowUntilSaturated(schedule="periodic", min_steps_between_checks=890, on_saturated="anneal")
+    grow = GrowUntilSaturated(schedule=Periodic(min_steps_between_checks=890), on_saturated="anneal")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         seeded, scratch = _seeded_grower(grow, 2), _scratch_grower(grow)
     for rebuilt in (seeded, scratch):
-        assert (rebuilt.min_steps_between_checks, rebuilt.decision) == (890, "stage_fork")
+        assert (rebuilt.schedule, rebuilt.decision) == (Periodic(min_steps_between_checks=890), StageFork())
         assert rebuilt._schedule.min_steps_between_checks == 890
     assert (seeded.seed, scratch.max_growths) == (2, 0)
 
 
-def test_the_stopping_experiments_seeded_growth_rule_does_not_warn_about_every_n_epochs():
+def test_the_stopping_experiments_seeded_growth_rule_keeps_the_schedule_and_does_not_warn():
     from growtrain.experiments.stopping import _seeded_grower
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        grow = _seeded_grower(GrowUntilSaturated(monitor="val_loss", min_gain=None), 7)
-        fixed = _seeded_grower(GrowUntilSaturated(monitor=None, every_n_epochs=3, min_gain=None), 7)
-    assert (grow.seed, grow.config.seed, grow.every_n_epochs, fixed.every_n_epochs) == (7, 7, 1, 3)
+        grow = _seeded_grower(GrowUntilSaturated(schedule=Converged(monitor="val_loss"), decision="rule"), 7)
+        fixed = _seeded_grower(GrowUntilSaturated(schedule=Periodic(every_n_epochs=3), decision="rule"), 7)
+    assert (grow.seed, grow.config.seed, grow.schedule) == (7, 7, Converged(monitor="val_loss"))
+    assert (fixed.seed, fixed.schedule) == (7, Periodic(every_n_epochs=3))
     # the trial collaborator is built from the seeded options (its blocks follow the run's seed)
-    trial = _seeded_grower(GrowUntilSaturated(monitor="val_loss", decision="trial", min_gain=0.01, trial_epochs=0.25), 7)
-    assert (trial._trials.seed, trial._trials.epochs, trial._trials.sites, trial.decision) == (7, 0.25, 3, "trial")
+    trial = _seeded_grower(GrowUntilSaturated(schedule=Converged(monitor="val_loss"),
+                                              decision=Trial(min_gain=0.01, epochs=0.25)), 7)
+    assert (trial._trials.seed, trial._trials.epochs, trial._trials.sites) == (7, 0.25, 3)
+    assert trial.decision == Trial(min_gain=0.01, epochs=0.25)
 
 
 def test_resume_false_says_it_discards_earlier_rows(tmp_path):
@@ -319,7 +324,7 @@ def test_the_default_trial_decision_does_not_warn_about_the_probe(tmp_path):
     small-probe warning does not apply (a newcomer's first run is quiet)."""
     import warnings
 
-    grow = GrowUntilSaturated(monitor=None, min_gain=0.01, verbose=False)
+    grow = GrowUntilSaturated(schedule="periodic", decision=Trial(min_gain=0.01), verbose=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

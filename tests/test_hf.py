@@ -207,7 +207,7 @@ def test_fit_grows_the_hf_model_with_zero_state_and_resumes_at_the_grown_depth(l
         return L.Trainer(max_epochs=epochs, limit_train_batches=3, limit_val_batches=1, callbacks=[grow, ckpt], **kw)
 
     # t tiny: any nonzero Γ̂ exceeds δ + t, so every check grows (the decision itself is tested elsewhere)
-    grow = GrowUntilSaturated(rule="paper", t=1e-9, every_n_epochs=1, monitor=None, max_growths=2, min_gain=None,
+    grow = GrowUntilSaturated(rule="paper", t=1e-9, schedule="periodic", max_growths=2, decision="rule",
                               verbose=False)
     module = HFCausalLM(str(llama_dir))
     base = {id(p) for p in module.parameters()}
@@ -230,8 +230,8 @@ def test_fit_grows_the_hf_model_with_zero_state_and_resumes_at_the_grown_depth(l
     shutil.copy(tmp_path / "ckpt" / "last.ckpt", last)
     resumed = HFCausalLM(str(llama_dir))
     assert resumed.network.depth() == 2
-    grow2 = GrowUntilSaturated(rule="paper", t=1e-9, every_n_epochs=1, monitor=None, max_growths=2, min_gain=None,
-                              verbose=False)
+    grow2 = GrowUntilSaturated(rule="paper", t=1e-9, schedule="periodic", max_growths=2,
+                               decision="rule", verbose=False)
     trainer(3, grow2).fit(resumed, datamodule=_text_data(), ckpt_path=str(last))
     assert resumed.network.depth() == 4 and [r["site"] for r in resumed.network.growth_log] == [
         r["site"] for r in net.growth_log
@@ -423,7 +423,7 @@ def test_the_trial_decision_on_a_hf_decoder_leaves_it_bit_for_bit(llama_dir, qui
 
     import lightning as L
 
-    from growtrain import GrowUntilSaturated
+    from growtrain import GrowUntilSaturated, Trial
     from growtrain.hf import HFCausalLM
 
     class Before(L.Callback):  # runs before the grower: the state the check sees
@@ -431,8 +431,7 @@ def test_the_trial_decision_on_a_hf_decoder_leaves_it_bit_for_bit(llama_dir, qui
             self.state = copy.deepcopy(pl_module.state_dict())
 
     before = Before()
-    grow = GrowUntilSaturated(decision="trial", min_gain=5.0, every_n_epochs=1, monitor=None,
-                              verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(schedule="periodic", decision=Trial(min_gain=5.0), verbose=False)  # fmt: skip
     module = HFCausalLM(str(llama_dir))
     trainer = L.Trainer(max_epochs=1, limit_train_batches=3, limit_val_batches=1, callbacks=[before, grow],
                         **quiet_trainer_kwargs)  # fmt: skip

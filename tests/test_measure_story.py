@@ -38,15 +38,15 @@ def fit(tmp_path, decision="trial", min_gain=10.0, **kw):
     schedule (decision="stage_fork": opened at the first check, judged at the next). Checkpoints every epoch."""
     import lightning as L
 
-    from growtrain import GrowUntilSaturated
+    from growtrain import GrowUntilSaturated, Periodic, StageFork, Trial
 
     L.seed_everything(0)
     if decision == "stage_fork":  # a fork opened at the first check, judged at the next: 10x never pays
-        how = {"schedule": "periodic", "every_n_epochs": 1}
+        how = {"schedule": Periodic(anneal_epochs=1), "decision": StageFork(min_gain=min_gain)}
     else:
-        how = {"every_n_epochs": 2, "lr_schedule": "anneal"}
-    grow = GrowUntilSaturated(monitor=None, min_gain=min_gain, decision=decision, max_growths=3, anneal_epochs=1,
-                              on_saturated="anneal", verbose=False, **how, **kw)  # fmt: skip
+        how = {"schedule": Periodic(every_n_epochs=2, anneal_epochs=1), "decision": Trial(min_gain=min_gain),
+               "lr_schedule": "anneal"}
+    grow = GrowUntilSaturated(max_growths=3, on_saturated="anneal", verbose=False, **how, **kw)
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=-1,
                                                every_n_epochs=1, save_on_train_epoch_end=True)  # fmt: skip
     trainer = L.Trainer(max_epochs=20, callbacks=[grow, ckpt], enable_progress_bar=False, enable_model_summary=False,
@@ -152,12 +152,12 @@ def stopped(tmp_path_factory):
     huge δ and stops at once: last.ckpt, saved after the check at the same step, holds the network it measured."""
     import lightning as L
 
-    from growtrain import GrowUntilSaturated
+    from growtrain import GrowUntilSaturated, Periodic
 
     tmp = tmp_path_factory.mktemp("stopped")
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, rule="crossfit", decision="rule", delta=1e3, seed=2,
-                              min_gain=None, on_saturated="stop", verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(schedule=Periodic(every_n_epochs=2), rule="crossfit", decision="rule", delta=1e3, seed=2,
+                              on_saturated="stop", verbose=False)  # fmt: skip
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp / "ckpt", save_last=True, save_on_train_epoch_end=True)
     trainer = L.Trainer(max_epochs=6, callbacks=[grow, ckpt], enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=tmp, limit_val_batches=0, logger=False, limit_train_batches=3)  # fmt: skip

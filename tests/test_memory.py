@@ -91,7 +91,8 @@ def test_a_fit_with_several_checks_keeps_no_probe_activations(tmp_path):
     module = ImageClassifier(width=4, num_classes=4)
     # t tiny: every check grows, so the network (and its activations) change between checks.
     # monitor=None: a check at the end of every epoch (no plateau wait).
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, rule="paper", t=1e-9, max_growths=3, verbose=False)
+    grow = GrowUntilSaturated(schedule="periodic", decision="trial", rule="paper", t=1e-9,
+                              max_growths=3, verbose=False)
     seen = ProbeActivations(module.network)
 
     class Between(L.Callback):

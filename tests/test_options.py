@@ -1,10 +1,13 @@
 """The options of ``GrowUntilSaturated`` after the eighth session's removal (40 options cut to 25, then one added:
-``min_steps_between_checks``; docs/results/history.md).
+``min_steps_between_checks``; docs/results/history.md), then grouped into its parts (25 → 15): when a check
+comes (``schedule``: ``Converged``/``Periodic``) and what decides (``decision``: ``Trial``/``StageFork``/``Rule``).
 
-* an option removed before the first release is Python's own ``TypeError`` (no shim: 0.1.0 has no
-  users to migrate), raised before any state is built;
-* what is left: at most 26 options, none of them removed, the same in ``GrowthConfig`` and the
+* an option removed before the first release, or one now a field of a part, is Python's own ``TypeError``
+  (no shim: 0.1.0 has no users to migrate), raised before any state is built;
+* what is left: at most 15 options, none of them removed, the same in ``GrowthConfig`` and the
   callback's signature, which takes no ``**kwargs``;
+* each part checks its own fields, naming them (``Converged.patience``); a part's name is the part
+  with its defaults;
 * the callback's checkpoint state (the current format) round-trips into the collaborators
   (``_monitor``, ``_anneal``, ``_trials``);
 * a value a kept option does not take is refused naming the option, the values it takes and a fix.
@@ -22,7 +25,7 @@ import warnings
 import pytest
 import torch
 
-from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks import Converged, GrowUntilSaturated
 from growtrain.callbacks.anneal import LrAnneal
 from growtrain.callbacks.growth_config import DECISIONS, GrowthConfig
 from growtrain.callbacks.monitor import StageMonitor
@@ -36,17 +39,24 @@ FORMER_OPTIONS = {
     "projected": False, "calibrate": True, "log_sites": True, "min_delta": 0.0,
     "window": 6,  # the window rule's J, removed with decision="window" (its depth followed the interval)
 }  # fmt: skip
+# The options grouped into the parts before the first release (docs/callback.md, "Removed options"), each with a
+# value a flat config passed: now a field of a part (or, trial_epochs, Trial.epochs), not an option.
+GROUPED_OPTIONS = {
+    "every_n_epochs": 2, "min_steps_between_checks": 100, "monitor": "val_loss", "mode": "max", "patience": 2,
+    "min_rel_delta": 0.005, "min_stage_epochs": 2, "anneal_epochs": 5, "min_gain": 0.01, "trial_epochs": 0.5,
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(FORMER_OPTIONS))
+@pytest.mark.parametrize("name", list(FORMER_OPTIONS | GROUPED_OPTIONS))
 def test_a_former_option_is_pythons_plain_type_error_before_any_state(name, tmp_path):
     rng = torch.random.get_rng_state()
+    value = (FORMER_OPTIONS | GROUPED_OPTIONS)[name]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        # every_n_epochs with a monitor would warn and alpha=2 would be a ValueError: Python refuses
+        # delta under the trial would warn and alpha=2 would be a ValueError: Python refuses
         # the unknown keyword before the body runs, so no validation, warning or state
         with pytest.raises(TypeError) as info:
-            GrowUntilSaturated(every_n_epochs=3, alpha=2.0, **{name: FORMER_OPTIONS[name]})
+            GrowUntilSaturated(delta=0.5, alpha=2.0, **{name: value})
     assert str(info.value) == f"GrowUntilSaturated.__init__() got an unexpected keyword argument '{name}'"
     assert caught == [], [str(w.message) for w in caught]
     assert torch.equal(torch.random.get_rng_state(), rng)
@@ -61,19 +71,20 @@ def test_the_trial_constants_are_the_default_decisions():
 
 
 # -- what is left ------------------------------------------------------------------------------------
-def test_at_most_25_options_none_removed_and_the_callback_takes_exactly_them():
-    # 25 after the first removal, + min_steps_between_checks (the check interval in optimizer steps,
-    # docs/callback.md says why), − window (removed with its decision)
+def test_at_most_15_options_none_removed_and_the_callback_takes_exactly_them():
+    # 25 after the first removal (+ min_steps_between_checks, − window), 15 once the schedule's and the
+    # decision's options became fields of their parts
+    assert len(inspect.signature(GrowUntilSaturated).parameters) <= 15
     names = GrowthConfig.names()
-    assert len(names) == len(set(names)) <= 25
-    assert not set(names) & set(FORMER_OPTIONS)
+    assert len(names) == len(set(names)) <= 15
+    assert not set(names) & set(FORMER_OPTIONS | GROUPED_OPTIONS)
     signature = inspect.signature(GrowUntilSaturated.__init__).parameters
     assert not any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in signature.values())  # no **kwargs at all
     assert [n for n in signature if n != "self"] == names  # the same options in the same order
     defaults = {f: GrowthConfig.__dataclass_fields__[f].default for f in names}
     assert {n: signature[n].default for n in names} == defaults
     grow = GrowUntilSaturated(verbose=False)
-    assert not any(hasattr(grow, n) for n in FORMER_OPTIONS)  # no attribute left behind either
+    assert not any(hasattr(grow, n) for n in FORMER_OPTIONS | GROUPED_OPTIONS)  # no attribute left behind either
     assert DECISIONS == ("trial", "rule", "stage_fork")
 
 
@@ -85,8 +96,8 @@ def test_a_value_a_kept_option_does_not_take_is_refused_naming_the_choices():
     for schedule in ("converged", "periodic"):
         with pytest.raises(ValueError) as info:
             GrowUntilSaturated(schedule=schedule, decision="guess")
-        assert str(info.value) == ("decision: expected one of ('trial', 'rule', 'stage_fork'); got 'guess'. "
-                                   "Fix: pass decision='trial'.")  # fmt: skip
+        assert str(info.value) == ("decision: expected one of ('trial', 'rule', 'stage_fork') or Trial(...) or "
+                                   "Rule(...) or StageFork(...); got 'guess'. Fix: pass decision='trial'.")  # fmt: skip
 
 
 # -- the checkpoint state round-trips -----------------------------------------------------------------
@@ -133,7 +144,7 @@ def test_the_checkpoint_state_round_trips_into_the_collaborators():
 
 
 def test_a_finished_state_in_its_final_anneal_resumes_there():
-    grow = GrowUntilSaturated(on_saturated="anneal", anneal_epochs=3, verbose=False)
+    grow = GrowUntilSaturated(on_saturated="anneal", schedule=Converged(anneal_epochs=3), verbose=False)
     grow.load_state_dict(EXPECTED | {"finished": "saturated", "stop_reason": "no certified gain: x",
                                      "anneal_kind": "final", "anneal_done": 2, "restart_pending": False})  # fmt: skip
     assert (grow.finished, grow._anneal.kind, grow._anneal.done, grow.final_epochs) == ("saturated", "final", 2, 2)

@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 
-from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks import Converged, GrowUntilSaturated, Periodic, StageFork, Trial
 from growtrain.callbacks.growth_config import GrowthConfig
 from growtrain.data import ImageDataModule
 from growtrain.module import ImageClassifier
@@ -22,7 +22,6 @@ from growtrain.module import ImageClassifier
     ({"schedule": "periodic", "lr_schedule": "anneal"}, "lr_schedule"),
     ({"schedule": "periodic", "decision": "guess"}, "decision"),
     ({"decision": "stage_fork"}, "decision"),  # a fork is judged at the next periodic check
-    ({"schedule": "periodic", "decision": "stage_fork", "min_gain": None}, "decision"),
 ])  # fmt: skip
 def test_bad_periodic_options_are_refused_naming_the_argument(kw, arg):
     with pytest.raises(ValueError, match=rf"^{arg}: expected .*Fix: "):
@@ -30,8 +29,8 @@ def test_bad_periodic_options_are_refused_naming_the_argument(kw, arg):
 
 
 def test_the_periodic_schedule_decides_by_the_stage_fork_by_default():
-    assert GrowUntilSaturated(schedule="periodic").decision == "stage_fork"
-    assert GrowUntilSaturated().decision == "trial"  # the converged schedule keeps its default
+    assert GrowUntilSaturated(schedule="periodic").decision == StageFork()
+    assert GrowUntilSaturated().decision == Trial()  # the converged schedule keeps its default
 
 
 class LrLog(L.Callback):
@@ -47,10 +46,10 @@ def tiny_dm() -> ImageDataModule:
                            val_size=40, batch_size=32, augment=False)  # fmt: skip
 
 
-def periodic_fit(tmp_path, max_epochs=9, **kw):
+def periodic_fit(tmp_path, max_epochs=9, every_n_epochs=1, **kw):
     L.seed_everything(0)
-    kw = {"every_n_epochs": 1, "anneal_epochs": 3, "on_saturated": "anneal"} | ALWAYS | kw
-    grow = GrowUntilSaturated(schedule="periodic", verbose=False, **kw)
+    kw = {"on_saturated": "anneal"} | ALWAYS | kw
+    grow = GrowUntilSaturated(schedule=Periodic(every_n_epochs=every_n_epochs, anneal_epochs=3), verbose=False, **kw)
     lr = LrLog()
     trainer = L.Trainer(max_epochs=max_epochs, callbacks=[grow, lr], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
@@ -63,7 +62,7 @@ def periodic_fit(tmp_path, max_epochs=9, **kw):
 
 # The paper's rule with t tiny: Γ̂ > δ + t at every check, so every check grows until the final phase's
 # reservation ends growth; with t huge no check grows.
-ALWAYS = {"decision": "rule", "rule": "paper", "t": 1e-9, "min_gain": None}
+ALWAYS = {"decision": "rule", "rule": "paper", "t": 1e-9}
 NEVER = ALWAYS | {"t": 1e9}
 
 
@@ -103,7 +102,7 @@ def test_the_converged_schedule_also_reserves_the_final_anneal(tmp_path):
     """A stage that never plateaus (patience longer than the fit): the budget ends growth in time
     for the final anneal instead of the fit ending mid-stage."""
     L.seed_everything(0)
-    grow = GrowUntilSaturated(patience=50, anneal_epochs=2, on_saturated="anneal", verbose=False)
+    grow = GrowUntilSaturated(schedule=Converged(patience=50, anneal_epochs=2), on_saturated="anneal", verbose=False)
     lr = _converged_fit(tmp_path, grow)
     assert [h["action"] for h in grow.history] == ["budget"] and grow.history[0]["epoch"] == 3
     assert lr.lrs[4:] == pytest.approx([0.1 * 0.5 * (1 + math.cos(math.pi * (k + 1) / 3)) for k in range(2)])
@@ -129,7 +128,7 @@ def test_a_periodic_fits_summary_prints_the_split(tmp_path, monkeypatch):
     printed = []  # without a rich bar the summary goes through rank_zero_info: read it there
     monkeypatch.setattr(telemetry, "rank_zero_info", printed.append)
     L.seed_everything(0)
-    grow = GrowUntilSaturated(schedule="periodic", every_n_epochs=1, anneal_epochs=2, on_saturated="anneal", **NEVER)
+    grow = GrowUntilSaturated(schedule=Periodic(anneal_epochs=2), on_saturated="anneal", **NEVER)
     trainer = L.Trainer(max_epochs=8, callbacks=[grow], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
                         default_root_dir=tmp_path)  # fmt: skip
@@ -166,7 +165,8 @@ def test_a_check_leaves_a_train_loaders_own_generator_where_it_was(monkeypatch):
 def test_a_stage_anneal_is_not_counted_as_the_final_phase():
     """The summary's split counts only the final anneal: a converged stage's anneal (before its
     check) is growing time."""
-    grow = GrowUntilSaturated(lr_schedule="anneal", on_saturated="anneal", anneal_epochs=3, verbose=False)
+    grow = GrowUntilSaturated(lr_schedule="anneal", on_saturated="anneal", schedule=Converged(anneal_epochs=3),
+                              verbose=False)
     grow._anneal.kind, grow._anneal.done = "stage", 2
     assert grow.final_epochs == 0 and grow.growth_epochs is None
     grow._anneal.kind = "final"
@@ -186,18 +186,11 @@ def test_should_check_counts_optimizer_steps_when_asked():
     assert should_check(**(kw | {"epochs_since_check": 5}), steps_since_check=11)[0] is False
 
 
-@pytest.mark.parametrize("kw, arg", [
-    ({"schedule": "periodic", "every_n_epochs": 2, "min_steps_between_checks": 100}, "min_steps_between_checks"),
-    ({"schedule": "periodic", "min_steps_between_checks": 0}, "min_steps_between_checks"),
-])  # fmt: skip
-def test_bad_step_options_are_refused_naming_the_argument(kw, arg):
-    with pytest.raises(ValueError, match=rf"^{arg}: expected .*Fix: "):
-        GrowUntilSaturated(**kw)
-
-
-def test_a_step_interval_with_a_monitor_is_warned_about():
-    with pytest.warns(UserWarning, match="min_steps_between_checks=50 has no effect while monitor='train_loss'"):
-        GrowUntilSaturated(min_steps_between_checks=50)
+@pytest.mark.parametrize("kw", [{"every_n_epochs": 2, "min_steps_between_checks": 100},
+                                {"min_steps_between_checks": 0}])
+def test_bad_step_options_are_refused_naming_the_argument(kw):
+    with pytest.raises(ValueError, match=r"^Periodic\.min_steps_between_checks: expected .*Fix: "):
+        Periodic(**kw)
 
 
 def test_the_former_name_every_n_train_steps_is_pythons_plain_type_error():
@@ -207,8 +200,8 @@ def test_the_former_name_every_n_train_steps_is_pythons_plain_type_error():
         GrowUntilSaturated(every_n_train_steps=4)
     assert str(info.value) == "GrowUntilSaturated.__init__() got an unexpected keyword argument 'every_n_train_steps'"
     assert "every_n_train_steps" not in GrowthConfig.names()  # nor a dataclass field a config could set
-    grow = GrowUntilSaturated(schedule="periodic", min_steps_between_checks=4, verbose=False)
-    assert (grow.min_steps_between_checks, grow._schedule.min_steps_between_checks) == (4, 4)
+    grow = GrowUntilSaturated(schedule=Periodic(min_steps_between_checks=4), verbose=False)
+    assert (grow.schedule.min_steps_between_checks, grow._schedule.min_steps_between_checks) == (4, 4)
 
 
 def test_the_schedule_keeps_its_step_count_across_a_checkpoint():
@@ -248,7 +241,7 @@ def _steps_per_epoch(trainer) -> int:
 @pytest.mark.parametrize("size", [416, 288])  # 256 and 128 training images: 8 and 4 steps an epoch
 def test_a_step_counted_fit_checks_at_the_same_pace_per_step_on_less_data(tmp_path, size):
     L.seed_everything(0)
-    grow = GrowUntilSaturated(schedule="periodic", min_steps_between_checks=12, anneal_epochs=2, on_saturated="anneal",
+    grow = GrowUntilSaturated(schedule=Periodic(min_steps_between_checks=12, anneal_epochs=2), on_saturated="anneal",
                               verbose=False, **ALWAYS)  # fmt: skip
     trainer = L.Trainer(max_epochs=10, callbacks=[grow], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
@@ -291,8 +284,7 @@ def test_the_final_anneal_is_reserved_inside_max_steps_as_whole_epochs():
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_a_fit_bounded_by_max_steps_ends_growth_in_time_to_anneal(tmp_path, accumulate):
     L.seed_everything(0)
-    grow = GrowUntilSaturated(schedule="periodic", every_n_epochs=1, anneal_epochs=3, on_saturated="anneal",
-                              verbose=False, **ALWAYS)  # fmt: skip
+    grow = GrowUntilSaturated(schedule=Periodic(anneal_epochs=3), on_saturated="anneal", verbose=False, **ALWAYS)
     lr = LrLog()
     per_epoch = 8 // accumulate  # 256 training images, batches of 32: 8 batches an epoch
     max_steps = 9 * per_epoch + per_epoch // 2  # 9.5 epochs of optimizer steps
@@ -321,7 +313,7 @@ def test_a_step_count_left_from_an_earlier_fit_counts_from_the_new_start(tmp_pat
     """A callback reused in a second fit: the trainer's step count starts again at 0, so the last
     check's step (500, from the first fit) must not push the next check 500 steps away."""
     L.seed_everything(0)
-    grow = GrowUntilSaturated(schedule="periodic", min_steps_between_checks=12, verbose=False, **ALWAYS)
+    grow = GrowUntilSaturated(schedule=Periodic(min_steps_between_checks=12), verbose=False, **ALWAYS)
     grow._schedule.last_check_step = 500
     trainer = L.Trainer(max_epochs=3, callbacks=[grow], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
@@ -380,8 +372,8 @@ def test_the_bare_converged_default_anneals_each_stage_before_its_check(tmp_path
     scheduler it stays "continue" and says so; fixed-interval checks keep the rate as it is."""
     L.seed_everything(0)
     # min_rel_delta=0.9: no epoch improves by 90 %, so a plateau after patience=1 (at epoch 1's end)
-    grow = GrowUntilSaturated(patience=1, min_rel_delta=0.9, min_stage_epochs=1, anneal_epochs=3, min_gain=None,
-                              max_growths=1, verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(schedule=Converged(patience=1, min_rel_delta=0.9, min_stage_epochs=1, anneal_epochs=3),
+                              decision="rule", max_growths=1, verbose=False)  # fmt: skip
     assert grow.lr_schedule is None  # resolved when training starts, against the module's optimizer
     lr = _converged_fit(tmp_path, grow)
     assert grow.lr_schedule == "anneal"
@@ -390,7 +382,7 @@ def test_the_bare_converged_default_anneals_each_stage_before_its_check(tmp_path
     assert grow.history and grow.history[0]["epoch"] == 4  # checked after the anneal's last epoch
 
     assert GrowUntilSaturated(schedule="periodic").lr_schedule == "continue"
-    assert GrowUntilSaturated(monitor=None).lr_schedule == "continue"
+    assert GrowUntilSaturated(schedule="periodic", decision="trial").lr_schedule == "continue"
     # resolved per fit: the same callback object on a module with its own scheduler continues it (no refusal)
     with_scheduler = grow
     trainer = L.Trainer(max_epochs=1, callbacks=[with_scheduler], logger=False, enable_progress_bar=False,

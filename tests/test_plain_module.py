@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.nn import functional as F
 
-from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks import GrowUntilSaturated, Periodic
 from growtrain.data import ImageDataModule
 from growtrain.growable import grown_blocks
 from growtrain.models import cifar_resnet
@@ -63,8 +63,8 @@ def _fit(root: Path, *, crash: bool = False, ckpt: str | None = None, scheduler:
                 val_size=16, batch_size=32, augment=False)  # fmt: skip
     module = PlainModule(scheduler)
     # t tiny: each check (the ends of epochs 1 and 3) grows one block
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, rule="paper", t=1e-9, max_growths=2,
-                              lr_schedule="continue", verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(schedule=Periodic(every_n_epochs=2), decision="trial", rule="paper", t=1e-9,
+                              max_growths=2, lr_schedule="continue", verbose=False)  # fmt: skip
     callbacks = [grow, ModelCheckpoint(dirpath=root, save_last=True, every_n_epochs=1)] + ([Crash()] if crash else [])
     trainer = L.Trainer(max_epochs=5, callbacks=callbacks, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, deterministic=True,
@@ -131,7 +131,8 @@ def test_a_fresh_fit_of_a_grown_plain_module_keeps_the_users_optimizer_groups(fu
     grown = PlainModule.load_from_checkpoint(root / "last.ckpt", scheduler=scheduler)
     data = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=240, synthetic_classes=4, probe_size=48,
                            val_size=16, batch_size=32, augment=False)  # fmt: skip
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, max_growths=0, lr_schedule="continue", verbose=False)
+    grow = GrowUntilSaturated(schedule=Periodic(every_n_epochs=2), decision="trial", max_growths=0,
+                              lr_schedule="continue", verbose=False)
     trainer = L.Trainer(max_epochs=1, callbacks=[grow, ModelCheckpoint(dirpath=tmp_path, save_last=True)],
                         logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         default_root_dir=tmp_path)  # fmt: skip

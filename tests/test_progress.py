@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgre
 from lightning.pytorch.callbacks.progress.rich_progress import CustomProgress
 from rich.console import Console
 
-from growtrain.callbacks import GrowUntilSaturated, trial_check
+from growtrain.callbacks import GrowUntilSaturated, Trial, trial_check
 from growtrain.callbacks.progress import NO_PROGRESS, Steps, counted, progress_for
 from growtrain.data import ImageDataModule
 from growtrain.models import cifar_resnet
@@ -167,7 +167,8 @@ def fit_with_trials(tmp_path, monkeypatch, **trainer_kw):
 
     monkeypatch.setattr(trial_check, "progress_for", spy)
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, max_growths=1, trial_epochs=0.5, verbose=False)
+    grow = GrowUntilSaturated(schedule="periodic", max_growths=1, decision=Trial(epochs=0.5),
+                              verbose=False)
     trainer = L.Trainer(max_epochs=1, callbacks=[grow, *trainer_kw.pop("callbacks", [])], logger=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
                         default_root_dir=tmp_path, **trainer_kw)  # fmt: skip

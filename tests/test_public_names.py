@@ -62,6 +62,6 @@ def test_growth_callbacks_finds_only_growth_callbacks():
     from growtrain import GrowUntilSaturated
     from growtrain.callbacks import growth_callbacks
 
-    grow = GrowUntilSaturated(monitor=None)
+    grow = GrowUntilSaturated(schedule="periodic", decision="trial")
     assert growth_callbacks([EarlyStopping(monitor="x"), grow]) == [grow]
     assert growth_callbacks(grow) == [grow] and growth_callbacks(None) == []

@@ -273,7 +273,7 @@ def test_lambda_lr_without_extension_breaks_and_continue_fixes_it():
 
 # -- in a real fit: restart takes effect at the next epoch's start ----------------------------
 def test_restart_in_fit_resets_lrs_for_the_next_epoch(tmp_path):
-    from growtrain.callbacks import GrowUntilSaturated
+    from growtrain.callbacks import GrowUntilSaturated, Periodic
     from growtrain.data import ImageDataModule
     from growtrain.module import ImageClassifier
 
@@ -288,7 +288,8 @@ def test_restart_in_fit_resets_lrs_for_the_next_epoch(tmp_path):
     dm = ImageDataModule(dataset="synthetic", image_size=8, synthetic_size=160, synthetic_classes=3,
                          probe_size=40, val_size=8, batch_size=32, augment=False)  # fmt: skip
     module = ImageClassifier(width=4, num_classes=3, lr_scheduler=lambda opt: StepLR(opt, step_size=1, gamma=0.5))
-    grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e-9, max_growths=1, every_n_epochs=2, lr_schedule="restart", verbose=False)
+    grow = GrowUntilSaturated(schedule=Periodic(every_n_epochs=2), decision="trial", rule="paper", t=1e-9,
+                              max_growths=1, lr_schedule="restart", verbose=False)
     trainer = L.Trainer(max_epochs=4, callbacks=[grow, Watch()], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         default_root_dir=tmp_path)  # fmt: skip

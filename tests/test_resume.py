@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.optim.lr_scheduler import MultiStepLR, StepLR
 from torch.utils.data import DataLoader, Sampler
 
-from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks import GrowUntilSaturated, Periodic
 from growtrain.data import ImageDataModule
 from growtrain.data.datamodule import _as_batch
 from growtrain.module import ImageClassifier
@@ -76,9 +76,9 @@ def _run(root: Path, mode: str, *, crash: int | None = None, ckpt: str | None = 
                              lr_scheduler=scheduler)  # fmt: skip
     # t tiny: every check grows; checks at the ends of epochs 1 and 3
     # steps: the rule decides
-    every = ({"min_steps_between_checks": 8, "schedule": "periodic", "decision": "rule", "min_gain": None,
-              "lr_schedule": "continue"} if mode == "steps" else {"every_n_epochs": 2, "lr_schedule": mode})
-    grow = GrowUntilSaturated(monitor=None, rule="paper", t=1e-9, max_growths=2, verbose=False, **every)
+    every = ({"schedule": Periodic(min_steps_between_checks=8), "decision": "rule", "lr_schedule": "continue"}
+             if mode == "steps" else {"schedule": Periodic(every_n_epochs=2), "decision": "trial", "lr_schedule": mode})
+    grow = GrowUntilSaturated(rule="paper", t=1e-9, max_growths=2, verbose=False, **every)
     callbacks = [grow, ModelCheckpoint(dirpath=root, save_last=True, every_n_epochs=1)]
     if crash is not None:
         callbacks.append(Crash(crash))

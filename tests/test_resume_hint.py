@@ -209,7 +209,7 @@ def tiny_args(root: Path, *extra: str) -> list[str]:
         "--data.val_size=32", "--data.batch_size=32", "--model.width=4", "--data.train_subset=null",
         # the growth callback's: a check every epoch (after a one-epoch stage anneal), so one runs before
         # Ctrl-C, and training on to max_epochs whatever they decide
-        "--trainer.callbacks.anneal_epochs=1", "--trainer.callbacks.monitor=null", "--trainer.callbacks.every_n_epochs=1",
+        "--trainer.callbacks.schedule=growtrain.Periodic", "--trainer.callbacks.schedule.anneal_epochs=1",
         "--trainer.callbacks.on_saturated=continue", *extra,
     ]  # fmt: skip
 

@@ -30,7 +30,8 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 SHRINK = [
     "--trainer.max_epochs=14", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
     "--data.train_subset=400", "--data.probe_size=200", "--data.val_size=200", "--data.batch_size=32",
-    "--trainer.callbacks.patience=1", "--trainer.callbacks.min_rel_delta=0.02", "--trainer.callbacks.anneal_epochs=1",
+    "--trainer.callbacks.schedule.patience=1", "--trainer.callbacks.schedule.min_rel_delta=0.02",
+    "--trainer.callbacks.schedule.anneal_epochs=1",
     "--trainer.callbacks.verbose=false",
 ]  # fmt: skip
 
@@ -40,8 +41,8 @@ DECISION = ("check", "epoch", "step", "action", "site", "sites", "depth", "satur
 
 # The periodic schedule on the same cut-down quickstart: a check every 2 epochs at the constant rate,
 # the first-order rule deciding (the stage fork's resume has its own test below), one final anneal
-PERIODIC = ["--trainer.callbacks.schedule=periodic", "--trainer.callbacks.every_n_epochs=2",
-            "--trainer.callbacks.decision=rule", "--trainer.callbacks.min_gain=null",
+PERIODIC = ["--trainer.callbacks.schedule=growtrain.Periodic", "--trainer.callbacks.schedule.every_n_epochs=2",
+            "--trainer.callbacks.schedule.anneal_epochs=1", "--trainer.callbacks.decision=rule",
             "--trainer.callbacks.lr_schedule=continue"]  # fmt: skip
 
 
@@ -112,8 +113,9 @@ def test_a_stopped_and_resumed_quickstart_makes_the_uninterrupted_checks(tmp_pat
 
 
 # decision="stage_fork": the arm opened at a check trains on every batch until the next; the fit is cut in the middle
-FORK = ["--trainer.callbacks.schedule=periodic", "--trainer.callbacks.every_n_epochs=2",
-        "--trainer.callbacks.decision=stage_fork", "--trainer.callbacks.lr_schedule=continue"]  # fmt: skip
+FORK = ["--trainer.callbacks.schedule=growtrain.Periodic", "--trainer.callbacks.schedule.every_n_epochs=2",
+        "--trainer.callbacks.schedule.anneal_epochs=1", "--trainer.callbacks.decision=stage_fork",
+        "--trainer.callbacks.lr_schedule=continue"]  # fmt: skip
 
 
 def test_a_fit_cut_while_a_fork_is_open_resumes_into_the_same_fork_and_decisions(tmp_path):
@@ -140,8 +142,7 @@ def test_a_fit_cut_while_a_forks_copies_cool_resumes_into_the_same_decisions(tmp
     """The cooled copies (weights, optimizer state, the rates they anneal from, the steps done)
     travel in last.ckpt too: with a check every 40 optimizer steps, the last 5 of a fork's horizon
     cool, and the fit is cut at the epoch end that falls among them."""
-    fork = [*FORK[:1], "--trainer.callbacks.every_n_epochs=null", "--trainer.callbacks.min_steps_between_checks=40",
-            *FORK[2:]]  # fmt: skip
+    fork = [*FORK[:1], "--trainer.callbacks.schedule.min_steps_between_checks=40", *FORK[2:]]
     whole = GrowtrainCLI(args=_args(tmp_path / "whole", *fork))
     expected = _decisions(_grower(whole.trainer).history)
     per_epoch = whole.trainer.num_training_batches

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks import Converged, GrowUntilSaturated
 from growtrain.schedule_rules import should_check
 
 
@@ -25,7 +25,7 @@ def test_plateau_needs_a_minimum_stage_and_is_relative():
     assert should_check(**common, epochs_since_check=1, min_stage_epochs=3, stage_epochs=3)[0]
     # the callback's plateau is relative: the same losses ×10 or ×0.1 plateau at the same epoch
     def plateau_epoch(scale):
-        grow = GrowUntilSaturated(patience=2, min_rel_delta=0.05)
+        grow = GrowUntilSaturated(schedule=Converged(patience=2, min_rel_delta=0.05))
         for epoch, loss in enumerate([1.0, 0.8, 0.7, 0.69, 0.68, 0.675]):
             if grow._monitor.plateaued(SimpleNamespace(callback_metrics={"train_loss": torch.tensor(scale * loss)})):
                 return epoch

@@ -494,7 +494,7 @@ def test_the_periodic_configs_growth_budget_comment_counts_blocks_right():
     text = (root / "configs" / "fmnist" / "periodic.yaml").read_text()
     cfg = yaml.safe_load(text)
     grow = next(c["init_args"] for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith("GrowUntilSaturated"))
-    assert grow["decision"] == "stage_fork"
+    assert grow["decision"]["class_path"] == "growtrain.StageFork"
     model = {k: v for k, v in cfg["model"]["init_args"].items() if k != "optimizer"}
     net = ImageClassifier(**model).network
     stages, start, n = len(net.growable_stages), net.depth(), grow["max_growths"]

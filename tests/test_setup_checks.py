@@ -134,8 +134,8 @@ def test_a_module_without_forward_is_probed_through_its_network(tmp_path):
     x = torch.randn(5, 4)
     assert torch.equal(ProbeView(module, module.net)(x), module.net(x))
     train, probe = loaders()
-    grow = GrowUntilSaturated(probe=probe, network="net", monitor=None, every_n_epochs=1, decision="rule", rule="paper",
-                              t=1e-9, max_growths=1, min_gain=None, verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(probe=probe, network="net", schedule="periodic", decision="rule",
+                              rule="paper", t=1e-9, max_growths=1, verbose=False)  # fmt: skip
     trainer = L.Trainer(max_epochs=2, callbacks=[grow], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)  # fmt: skip
     trainer.fit(module, train)
@@ -154,8 +154,8 @@ def test_a_module_without_forward_whose_network_is_a_trunk_is_refused_with_the_f
 
 
 def _fit(tmp_path, module, probe, train):
-    grow = GrowUntilSaturated(probe=probe, network="net", monitor=None, every_n_epochs=1, decision="rule", rule="paper",
-                              t=1e-9, min_gain=None, verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(probe=probe, network="net", schedule="periodic", decision="rule",
+                              rule="paper", t=1e-9, verbose=False)  # fmt: skip
     steps = []
 
     class Steps(L.Callback):

@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 
-from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks import Converged, GrowUntilSaturated, Periodic, StageFork, Trial
 from growtrain.data import ImageDataModule
 from growtrain.experiments.stopping import run_stopping, smallest_good_depth
 from growtrain.module import ImageClassifier, ScaledLossClassifier
@@ -40,8 +40,8 @@ def test_anneal_finishes_the_network_then_stops(tmp_path):
         def on_train_epoch_start(self, trainer, pl_module):
             lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, max_growths=0, on_saturated="anneal", anneal_epochs=3,
-                              verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(schedule=Periodic(every_n_epochs=2, anneal_epochs=3), decision="trial", max_growths=0,
+                              on_saturated="anneal", verbose=False)  # fmt: skip
     trainer = L.Trainer(max_epochs=20, callbacks=[grow, RecordLR()], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
     model = ImageClassifier(width=4, num_classes=4, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
@@ -59,8 +59,8 @@ def test_stopping_experiment_rows_resume_and_summary(tmp_path):
     L.seed_everything(0)
     model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic")
     # the paper's rule with a negligible t grows at the first check; the second is refused by the budget
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, rule="paper", t=1e-12, decision="rule", min_gain=None,
-                              max_growths=1, on_saturated="anneal", anneal_epochs=1, verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(schedule=Periodic(every_n_epochs=1, anneal_epochs=1), rule="paper", t=1e-12,
+                              decision="rule", max_growths=1, on_saturated="anneal", verbose=False)  # fmt: skip
     kwargs = dict(max_epochs=4, callbacks=[grow], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False, limit_val_batches=0)  # fmt: skip
     result = run_stopping(model, tiny_dm(), trainer_kwargs=kwargs, depths=[0, 1], seeds=[0], output_dir=tmp_path)
@@ -91,11 +91,42 @@ def test_an_option_added_later_keys_a_results_folder_only_when_set():
     from growtrain.callbacks.growth_config import GrowthConfig
     from growtrain.experiments.stopping import file_options
 
-    epochs = file_options(GrowthConfig(schedule="periodic", every_n_epochs=2))
-    steps = file_options(GrowthConfig(schedule="periodic", min_steps_between_checks=890))
+    epochs = file_options(GrowthConfig(schedule=Periodic(every_n_epochs=2)))
+    steps = file_options(GrowthConfig(schedule=Periodic(min_steps_between_checks=890)))
     assert "min_steps_between_checks" not in epochs and steps["min_steps_between_checks"] == 890
     assert set(steps) - set(epochs) == {"min_steps_between_checks"}
     assert not {"probe", "network", "loss_fn", "verbose"} & set(epochs)
+
+
+# What the code before the options were grouped keyed these configurations by (its file_options, run then:
+# the flat options, as validated), written out: folders of results written then must resume.
+FLAT_KEYS = [
+    ({"schedule": Converged(monitor="val_loss", patience=2, min_rel_delta=0.005, anneal_epochs=3),
+      "decision": Trial(min_gain=0.01), "lr_schedule": "anneal", "max_growths": 6, "on_saturated": "anneal"},
+     {"alpha": 0.05, "anneal_epochs": 3, "decision": "trial", "delta": 0.0, "every_n_epochs": 1, "lr_schedule": "anneal",
+      "max_growths": 6, "max_params": None, "min_gain": 0.01, "min_rel_delta": 0.005, "min_stage_epochs": 2,
+      "mode": "min", "monitor": "val_loss", "on_saturated": "anneal", "patience": 2, "rule": "crossfit",
+      "schedule": "converged", "seed": 0, "t": None, "trial_epochs": 0.5}),
+    ({"schedule": Periodic(min_steps_between_checks=890)},
+     {"alpha": 0.05, "anneal_epochs": 10, "decision": "stage_fork", "delta": 0.0, "every_n_epochs": 1,
+      "lr_schedule": "continue", "max_growths": None, "max_params": None, "min_gain": 0.01, "min_rel_delta": 0.01,
+      "min_stage_epochs": 2, "min_steps_between_checks": 890, "mode": "min", "monitor": "train_loss",
+      "on_saturated": "stop", "patience": 3, "rule": "crossfit", "schedule": "periodic", "seed": 0, "t": None,
+      "trial_epochs": 0.5}),
+    ({"decision": "rule", "rule": "paper", "t": 0.5},
+     {"alpha": 0.05, "anneal_epochs": 10, "decision": "rule", "delta": 0.0, "every_n_epochs": 1, "lr_schedule": None,
+      "max_growths": None, "max_params": None, "min_gain": None, "min_rel_delta": 0.01, "min_stage_epochs": 2,
+      "mode": "min", "monitor": "train_loss", "on_saturated": "stop", "patience": 3, "rule": "paper",
+      "schedule": "converged", "seed": 0, "t": 0.5, "trial_epochs": 0.5}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("options, flat", FLAT_KEYS)
+def test_a_results_folder_keeps_its_key_across_the_grouping_of_the_options(options, flat):
+    from growtrain.callbacks.growth_config import GrowthConfig
+    from growtrain.experiments.stopping import file_options
+
+    assert file_options(GrowthConfig(**options)) == flat
 
 
 def test_stopping_experiment_refuses_an_unfinished_growth_arm(tmp_path):
@@ -122,8 +153,8 @@ def _stage_anneal_fit(tmp_path, *, grows, max_epochs=20, ckpt_path=None, extra=(
     cross-fit rule with a margin δ no lower bound reaches (every check is saturated)."""
     L.seed_everything(0)
     rule = {"rule": "paper", "t": 1e-12} if grows else {"rule": "crossfit", "delta": 1e9}
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, **rule, max_growths=1, decision="rule", min_gain=None,
-                              lr_schedule="anneal", on_saturated="anneal", anneal_epochs=2, verbose=False, **kw)  # fmt: skip
+    grow = GrowUntilSaturated(schedule=Periodic(every_n_epochs=2, anneal_epochs=2), **rule, max_growths=1,
+                              decision="rule", lr_schedule="anneal", on_saturated="anneal", verbose=False, **kw)  # fmt: skip
     record = RecordLRs()
     trainer = L.Trainer(max_epochs=max_epochs, callbacks=[grow, record, *extra], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -192,7 +223,7 @@ def test_stage_anneal_survives_a_checkpoint_mid_anneal(tmp_path):
 
 
 def test_stage_anneal_refuses_a_scheduler_before_training(tmp_path):
-    grow = GrowUntilSaturated(monitor=None, lr_schedule="anneal", verbose=False)
+    grow = GrowUntilSaturated(schedule="periodic", decision="trial", lr_schedule="anneal", verbose=False)
     trainer = L.Trainer(max_epochs=2, callbacks=[grow], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
     model = ImageClassifier(width=4, num_classes=4, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
@@ -219,13 +250,13 @@ def test_a_whole_run_with_the_loss_times_ten_makes_the_same_decisions(tmp_path, 
     def fit(cls, lr, wd, delta):
         L.seed_everything(0)
         if rule == "trial":  # the default: block-only trials (Adam: the same steps on a loss × 10)
-            how = {"rule": "crossfit", "min_gain": 0.01, "decision": "trial", "lr_schedule": "anneal"}
+            how = {"rule": "crossfit", "decision": Trial(min_gain=0.01), "lr_schedule": "anneal"}
         elif rule == "stage_fork":  # the periodic schedule: the arm against the run, both cooled, on the probe
-            how = {"rule": "crossfit", "min_gain": 0.01, "schedule": "periodic", "decision": "stage_fork"}
+            how = {"rule": "crossfit", "decision": StageFork(min_gain=0.01)}
         else:  # the first-order rule alone
-            how = {"rule": rule, "min_gain": None, "lr_schedule": "anneal"}
-        grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, **how, delta=delta, max_growths=2, anneal_epochs=1,
-                                  on_saturated="anneal", verbose=False)  # fmt: skip
+            how = {"rule": rule, "decision": "rule", "lr_schedule": "anneal"}
+        grow = GrowUntilSaturated(schedule=Periodic(every_n_epochs=2, anneal_epochs=1), **how, delta=delta,
+                                  max_growths=2, on_saturated="anneal", verbose=False)  # fmt: skip
         trainer = L.Trainer(max_epochs=9, callbacks=[grow], logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
         model = cls(width=4, num_classes=4, blocks=[1, 1, 1], family="basic",

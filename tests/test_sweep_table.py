@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 
-from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks import Converged, GrowUntilSaturated
 from growtrain.data import ImageDataModule
 from growtrain.experiments.stopping import run_stopping
 from growtrain.experiments.sweep_table import BudgetAnneal, weights_digest
@@ -28,8 +28,9 @@ def tiny_model(**kw) -> ImageClassifier:
 
 
 def kwargs() -> dict:
-    grow = GrowUntilSaturated(monitor="val_loss", patience=1, min_rel_delta=0.2, min_stage_epochs=1, max_growths=0, lr_schedule="anneal",
-                              on_saturated="anneal", anneal_epochs=2, verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(schedule=Converged(monitor="val_loss", patience=1, min_rel_delta=0.2, min_stage_epochs=1,
+                                                 anneal_epochs=2),
+                              max_growths=0, lr_schedule="anneal", on_saturated="anneal", verbose=False)  # fmt: skip
     return dict(max_epochs=8, callbacks=[grow], log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
                 num_sanity_val_steps=0)  # fmt: skip
 

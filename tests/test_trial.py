@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from growtrain.callbacks import GrowUntilSaturated
+from growtrain.callbacks import GrowUntilSaturated, Periodic, Rule, Trial
 from growtrain.callbacks.trial_check import trial_candidates
 from growtrain.data import ImageDataModule
 from growtrain.module import ImageClassifier
@@ -133,7 +133,7 @@ def test_a_trial_trains_and_scores_under_the_trainers_precision(tmp_path):
     trial_check.BlockTrials._one = one
     try:
         L.seed_everything(0)
-        grow = GrowUntilSaturated(monitor=None, decision="trial", min_gain=0.01, trial_epochs=0.5, max_growths=1,
+        grow = GrowUntilSaturated(schedule="periodic", decision=Trial(min_gain=0.01, epochs=0.5), max_growths=1,
                                   verbose=False)  # fmt: skip
         trainer = L.Trainer(max_epochs=1, precision="bf16-mixed", callbacks=[grow], logger=False,
                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
@@ -152,7 +152,7 @@ def test_a_trial_under_16_true_does_not_scale_the_loss(tmp_path):
     trials train and the check decides as under 32-true (here: 7.4 / 3.1 / 4.4 % against 7.0 / 3.9 /
     6.1 %, both grow)."""
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, decision="trial", min_gain=0.01, max_growths=1, verbose=False)
+    grow = GrowUntilSaturated(schedule="periodic", decision=Trial(min_gain=0.01), max_growths=1, verbose=False)
     trainer = L.Trainer(max_epochs=1, precision="16-true", callbacks=[grow], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
                         default_root_dir=tmp_path)  # fmt: skip
@@ -248,10 +248,11 @@ class Guard(L.Callback):
     pass
 
 
-def fit_trial(tmp_path, trainer_kw=None, **kw):
+def fit_trial(tmp_path, trainer_kw=None, min_gain=0.01, **kw):
     L.seed_everything(0)
-    kw = {"max_growths": 2, "min_gain": 0.01, "trial_epochs": 0.5} | kw
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=2, lr_schedule="anneal", anneal_epochs=1,
+    kw = {"max_growths": 2} | kw
+    grow = GrowUntilSaturated(schedule=Periodic(every_n_epochs=2, anneal_epochs=1),
+                              decision=Trial(min_gain=min_gain, epochs=0.5), lr_schedule="anneal",
                               on_saturated="anneal", verbose=False, **kw)  # fmt: skip
     trainer = L.Trainer(max_epochs=8, callbacks=[grow], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
@@ -298,30 +299,30 @@ def test_the_trial_decision_grows_and_reports_every_verdict(tmp_path):
     assert first["gamma"] is not None and first["threshold"] is not None  # Γ̂ against δ+t at every check
 
 
-@pytest.mark.parametrize("kw, arg", [
-    ({"decision": "guess"}, "decision"),
-    ({"decision": "trial", "min_gain": None}, "decision"),
-    ({"trial_epochs": 0}, "trial_epochs"),
-    ({"trial_epochs": math.inf}, "trial_epochs"),
+@pytest.mark.parametrize("make, arg", [
+    (lambda: GrowUntilSaturated(decision="guess"), "decision"),
+    (lambda: Trial(min_gain=None), r"Trial\.min_gain"),
+    (lambda: Trial(epochs=0), r"Trial\.epochs"),
+    (lambda: Trial(epochs=math.inf), r"Trial\.epochs"),
 ])  # fmt: skip
-def test_bad_trial_options_are_refused_naming_the_argument(kw, arg):
+def test_bad_trial_options_are_refused_naming_the_argument(make, arg):
     with pytest.raises(ValueError, match=rf"^{arg}: expected .*Fix: "):
-        GrowUntilSaturated(**kw)
+        make()
 
 
 def test_the_trials_run_with_the_constants_that_replaced_their_options():
     from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_LR, TRIAL_SITES
 
     assert (DEFAULT_TRIAL_LR, TRIAL_SITES) == (1e-3, 3)
-    trials = GrowUntilSaturated(trial_epochs=0.25)._trials
+    trials = GrowUntilSaturated(decision=Trial(epochs=0.25))._trials
     assert (trials.lr, trials.sites, trials.epochs) == (DEFAULT_TRIAL_LR, 3, 0.25)
-    assert GrowUntilSaturated().trial_epochs == DEFAULT_TRIAL_EPOCHS
-    assert GrowUntilSaturated(min_gain=None)._trials is None  # no trial without one to decide
+    assert GrowUntilSaturated().decision.epochs == DEFAULT_TRIAL_EPOCHS
+    assert GrowUntilSaturated(decision="rule")._trials is None  # no trial without one to decide
 
 
-def test_the_default_decision_is_the_trial_and_min_gain_none_is_the_rule():
-    assert GrowUntilSaturated().decision == "trial"
-    assert GrowUntilSaturated(min_gain=None).decision == "rule"
+def test_the_default_decision_is_the_trial_and_the_rule_is_asked_for_by_name():
+    assert GrowUntilSaturated().decision == Trial()
+    assert GrowUntilSaturated(decision="rule").decision == Rule()
 
 
 def _chance_inputs(y: torch.Tensor):
@@ -425,7 +426,7 @@ def test_the_summary_table_shows_what_the_trial_certified():
 def test_an_untrained_fit_is_stopped_as_not_saturated(tmp_path):
     """Through the callback: a learning rate of 0 leaves the network at chance; the stop says so."""
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, max_growths=1, verbose=False)
+    grow = GrowUntilSaturated(schedule="periodic", decision="trial", max_growths=1, verbose=False)
     trainer = L.Trainer(max_epochs=2, callbacks=[grow], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
                         default_root_dir=tmp_path)  # fmt: skip
@@ -464,8 +465,7 @@ def test_a_fit_without_a_root_dir_writes_into_the_tests_own_directory(tmp_path):
 
     assert Path.cwd() == tmp_path and Path.cwd() != Path(__file__).resolve().parents[1]
     L.seed_everything(0)
-    grow = GrowUntilSaturated(monitor=None, every_n_epochs=1, decision="rule", min_gain=None, max_growths=0,
-                              verbose=False)  # fmt: skip
+    grow = GrowUntilSaturated(schedule="periodic", decision="rule", max_growths=0, verbose=False)  # fmt: skip
     trainer = L.Trainer(max_epochs=1, callbacks=[grow], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0)  # no root dir
     trainer.fit(ImageClassifier(width=4, num_classes=4, in_channels=3), tiny_dm())
@@ -547,7 +547,7 @@ def _instrumented_trial_fit(tmp_path, monkeypatch, dm):
     monkeypatch.setattr(TensorImages, "__getitems__", fetch_many)
     monkeypatch.setattr(TensorImages, "__getitem__", fetch_one)
     monkeypatch.setattr(BlockTrials, "run", recorded_run)
-    grow, model, trainer = fit_trial(tmp_path, min_gain=5.0, decision="trial")
+    grow, model, trainer = fit_trial(tmp_path, min_gain=5.0)
     trainer.fit(model, dm)
     return grow, ledger
 
@@ -601,7 +601,7 @@ def test_a_probe_sharing_one_index_with_the_training_data_is_refused_before_any_
     from growtrain.callbacks.trial_check import BlockTrials
 
     dm = tiny_dm()
-    kw = {"decision": "trial"}
+    kw = {}
     if leak == "probe loader":
         kw["probe"], match = _leaky_probe(dm), r"1 sample index\(es\) are in both the probe and the train set"
     else:
@@ -632,7 +632,7 @@ def test_a_train_loader_reloaded_onto_a_probe_sample_is_refused_at_the_trial(tmp
     epoch, and one reloaded since (reload_dataloaders_every_n_epochs) must not hold a probe sample."""
     dm = _ReloadedWithALeak(dataset="synthetic", image_size=8, synthetic_size=400, synthetic_classes=4,
                             probe_size=120, val_size=40, batch_size=32, augment=False)  # fmt: skip
-    grow, model, trainer = fit_trial(tmp_path, {"reload_dataloaders_every_n_epochs": 1}, decision="trial")
+    grow, model, trainer = fit_trial(tmp_path, {"reload_dataloaders_every_n_epochs": 1})
     match = r"^probe: .*1 sample index\(es\) are in both the probe and the train set"
     with pytest.raises(ValueError, match=match) as info:
         trainer.fit(model, dm)

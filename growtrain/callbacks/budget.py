@@ -14,7 +14,9 @@ Three parts:
               so training progress is not credited to depth); both are scored on the held-out probe
               with their weights averaged over the fork (EMA, Hägele et al. 2024: most of a cooldown's
               gain without one); grow iff the arm's probe loss is below the run's by a certified more
-              than ``min_gain`` of it (paired bootstrap-t bound, ``growtrain.fork.fork_test``)
+              than ``min_gain`` of it (paired bootstrap-t bound, ``growtrain.fork.fork_test``); with
+              ``statistic="steps"`` the arm takes as many steps as the run instead, and its gain, carried
+              to the budget's end, is charged what fewer steps cost on the run's own learning curve
     inserts — the run grows the same blocks and takes the arm's weights and optimizer state
               (``growtrain.fork.adopt``; the new parameters' groups from the editor)
 
@@ -40,7 +42,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from growtrain import insertion as ins
-from growtrain.budget import BudgetPlan, budget_verdict, carried, fork_steps, plan_problem
+from growtrain.budget import BudgetPlan, budget_verdict, carried, fork_steps, plan_problem, steps_cost
 from growtrain.callbacks import editor, probe_check, telemetry
 from growtrain.callbacks.compute import _inputs, forward_flops
 from growtrain.callbacks.fork_check import PairedFork, swapped
@@ -50,9 +52,14 @@ from growtrain.fork import adopt, fork_test, make_arm
 from growtrain.growable import grown_blocks, insertion_tolerance, probe_loss_for, resolve_network
 from growtrain.reconfigure import add_param_groups, new_param_groups
 
-__all__ = ["GrowForBudget", "INSERTIONS"]
+__all__ = ["GrowForBudget", "INSERTIONS", "STATISTICS"]
 
 INSERTIONS = ("copy", "zero")
+# What a decision judges (docs/budget.md): "fork", the equal-FLOP fork's gain at its end; "carried", that
+# gain carried to the budget's end linearly in log FLOPs from its halfway and final scores; "steps", the
+# gain at equal optimizer steps less what the fewer steps a deeper network can afford cost by the budget's
+# end on the run's own learning curve (growtrain.budget.steps_cost).
+STATISTICS = ("fork", "carried", "steps")
 # Fewest run steps a fork may have: below this the averaged weights are a handful of steps.
 MIN_FORK_STEPS = 20
 
@@ -81,7 +88,9 @@ class GrowForBudget(Callback):
     more block (one per stage) lowers the held-out loss; then train the final network for the rest of
     the budget and anneal it (see the module docstring).
 
-    The defaults were chosen on the language model's seed 0 (docs/results.md: the depth frontiers).
+    The defaults (the equal-steps statistic, 3 % forks, 3 decisions over the first 30 %) are the rows'
+    best so far, not a met target (docs/results.md: the equal-steps statistic): on the language model
+    they found 3 blocks in four seeds of five, one short of growth's best.
 
     Quick start (the budget is the trainer's; the optimizer's rate is the peak)::
 
@@ -101,11 +110,16 @@ class GrowForBudget(Callback):
         alpha: error probability of each decision's bound.
         insertion: how the arm's block starts: ``"copy"`` (the block below's weights, G_stack: changes
             the function) or ``"zero"`` (the paper's zero terminal map: function-preserving).
-        extrapolate: decide on the fork's gain extrapolated to the budget's end instead of its gain at the
-            fork's end: each side is also scored halfway (at half its FLOPs), and the per-sample gain is
-            carried on linearly in log FLOPs, ``g(τ) = g₂ + (g₂ − g₁)·log₂(τ/τ₂)``, to τ = the FLOPs left
-            in the budget when the fork opened (the bound is on that combination of paired gains).
-            Both figures are recorded at every decision either way.
+        statistic: what a decision judges. ``"fork"``: the equal-FLOP fork's gain at its end.
+            ``"carried"``: that gain carried to the budget's end: each side is also scored halfway (at half
+            its FLOPs), and the per-sample gain is carried on linearly in log FLOPs,
+            ``g(τ) = g₂ + (g₂ − g₁)·log₂(τ/τ₂)``, to τ = the FLOPs left in the budget when the fork opened
+            (the bound is on that combination of paired gains). ``"steps"``: the arm trains as many steps
+            as the run (not FLOPs: capacity, not progress, is compared), and its certified gain is charged
+            what fewer steps for the rest of the budget cost on the run's own learning curve,
+            ``L(S) = E + A·S^(−½)`` fitted to its training losses over the fork and as long before it
+            (``growtrain.budget.steps_cost``); the module's ``training_step`` must return its loss.
+            Every statistic's figures are recorded at every decision.
         decay: fraction of the budget at its end over which the rate decays linearly.
         warmup: fraction of the budget over which the rate warms up.
         min_lr_ratio: the rate at the budget's end, as a fraction of the peak.
@@ -120,8 +134,8 @@ class GrowForBudget(Callback):
 
     def __init__(self, probe: Any = None, network: str | nn.Module | None = None,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, growth_phase: float = 0.3,
-                 checks: int = 3, fork: float = 0.05, min_gain: float = 0.0, alpha: float = 0.05,
-                 insertion: str = "copy", extrapolate: bool = True, decay: float = 0.2, warmup: float = 0.01, min_lr_ratio: float = 0.1,
+                 checks: int = 3, fork: float = 0.03, min_gain: float = 0.0, alpha: float = 0.05,
+                 insertion: str = "copy", statistic: str = "steps", decay: float = 0.2, warmup: float = 0.01, min_lr_ratio: float = 0.1,
                  seed: int = 0, verbose: bool = True):  # fmt: skip
         super().__init__()
         for name, value, low, high in (("growth_phase", growth_phase, 0.0, 1.0), ("fork", fork, 0.0, 1.0),
@@ -133,6 +147,8 @@ class GrowForBudget(Callback):
                 raise ValueError(f"{name}: expected a fraction in [0, 1), got {value!r}")
         if isinstance(checks, bool) or not isinstance(checks, int) or checks < 1:
             raise ValueError(f"checks: expected an integer >= 1 (decisions in the growth phase), got {checks!r}")
+        if statistic not in STATISTICS:
+            raise ValueError(f"statistic: expected one of {STATISTICS}, got {statistic!r}. Fix: statistic='carried'")
         if insertion not in INSERTIONS:
             raise ValueError(f"insertion: expected one of {INSERTIONS}, got {insertion!r}. Fix: insertion='copy'")
         problem = plan_problem(10**9, growth_phase=growth_phase, checks=checks, fork=fork, decay=decay, warmup=warmup,
@@ -142,7 +158,7 @@ class GrowForBudget(Callback):
         self.probe, self.network_spec, self.loss_fn = probe, network, loss_fn
         self.growth_phase, self.checks, self.fork, self.min_gain = float(growth_phase), checks, float(fork), float(min_gain)
         self.alpha, self.insertion, self.decay, self.warmup = float(alpha), insertion, float(decay), float(warmup)
-        self.extrapolate = bool(extrapolate)
+        self.statistic = statistic
         self.min_lr_ratio, self.seed, self.verbose = float(min_lr_ratio), int(seed), bool(verbose)
         self._network: nn.Module | None = None
         self._loss: Callable | None = None
@@ -158,6 +174,7 @@ class GrowForBudget(Callback):
         self.next_point = 0
         self.finished: str | None = None  # why growth ended
         self.history: list[dict] = []
+        self.curve: list[tuple[int, float]] = []  # (optimizer step, training loss) of the run: "steps" prices steps
         self.start_depth: int | None = None
         self.fork_state: dict | None = None  # the open fork's counters (sites, steps, targets)
         self.arm: nn.Module | None = None
@@ -172,7 +189,8 @@ class GrowForBudget(Callback):
         state = {"plan": self.plan.as_dict() if self.plan else None, "spent": self.spent,
                  "decision_flops": self.decision_flops, "next_point": self.next_point, "finished": self.finished,
                  "history": telemetry.plain(self.history), "start_depth": self.start_depth,
-                 "fork_state": copy.deepcopy(self.fork_state), "seconds": self._seconds()}  # fmt: skip
+                 "fork_state": copy.deepcopy(self.fork_state), "seconds": self._seconds(),
+                 "curve": [list(p) for p in self.curve]}  # fmt: skip
         if self.arm is not None:
             state["arm"] = {k: v.detach().cpu().clone() for k, v in self.arm.state_dict().items() if torch.is_tensor(v)}
             state["arm_opt"] = self.arm_opt.state_dict() if self.arm_opt is not None else None
@@ -188,6 +206,7 @@ class GrowForBudget(Callback):
         self.spent, self.decision_flops = float(state.get("spent", 0.0)), float(state.get("decision_flops", 0.0))
         self.next_point, self.finished = int(state.get("next_point", 0)), state.get("finished")
         self.history = [dict(h) for h in state.get("history", [])]
+        self.curve = [(int(a), float(b)) for a, b in state.get("curve", [])]
         self.start_depth, self.fork_state = state.get("start_depth"), state.get("fork_state")
         self.seconds = {k: float((state.get("seconds") or {}).get(k, 0.0)) for k in ("decisions", "fit")}
         if self.fork_state is not None and "arm" in state:
@@ -276,12 +295,30 @@ class GrowForBudget(Callback):
                            batch_idx: int) -> None:  # fmt: skip
         x = _inputs(batch)
         self.spent += 3.0 * self._per_sample(pl_module, x) * int(x.shape[0])
+        if self.statistic == "steps":
+            self._record_loss(trainer, outputs)
         if self.fork_state is not None:
             self._fork_step(trainer, pl_module, batch, batch_idx, x)
         elif self.finished is None and self.next_point < self.checks and self.spent >= self.plan.point_flops(self.next_point):
             self._open(trainer, pl_module, x)
         if self.spent >= self.plan.total_flops:
             trainer.should_stop = True
+
+    def _record_loss(self, trainer: Trainer, outputs: Any) -> None:
+        """The run's training loss at this optimizer step (the "steps" statistic's learning curve)."""
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if not torch.is_tensor(loss):
+            raise ValueError(f"statistic='steps': prices steps on the run's training losses, but training_step "
+                             f"returned {type(outputs).__name__}, not the loss. Fix: return the loss (or a dict "
+                             "with 'loss') from training_step, or pass statistic='carried'.")  # fmt: skip
+        step = int(trainer.global_step)
+        if self.curve and self.curve[-1][0] == step:  # gradient accumulation: the step's batches averaged
+            self.curve[-1] = (step, 0.5 * (self.curve[-1][1] + float(loss.detach())))
+        else:
+            self.curve.append((step, float(loss.detach())))
+        horizon = 4 * max(1, int(self.fork * self._total_steps))  # what a decision's window can use
+        if len(self.curve) > 2 * horizon:
+            del self.curve[: len(self.curve) - horizon]
 
     # -- the fork -------------------------------------------------------------------------------
     def _sites(self) -> list[str]:
@@ -319,8 +356,11 @@ class GrowForBudget(Callback):
         preserved = self._preserved(trainer, pl_module)
         self.fork_state = {"sites": sites, "k": k, "spent": self.spent, "step": int(trainer.global_step),
                            "function_preserving": preserved,
-                           "run_target": fork_steps(self.plan.fork_flops, run_step),
-                           "arm_target": fork_steps(self.plan.fork_flops, arm_step), "run_steps": 0, "arm_steps": 0,
+                           "run_target": fork_steps(self.plan.fork_flops, run_step), "run_step_flops": run_step,
+                           "arm_step_flops": arm_step, "run_steps": 0, "arm_steps": 0,
+                           # equal steps under "steps" (capacity compared; the steps' price comes later)
+                           "arm_target": fork_steps(self.plan.fork_flops,
+                                                    run_step if self.statistic == "steps" else arm_step),
                            "last_step": int(trainer.global_step)}  # fmt: skip
         self.ema = {"run": _ema_init(self._network), "arm": _ema_init(self.arm)}
         self.next_point += 1
@@ -330,7 +370,8 @@ class GrowForBudget(Callback):
             rank_zero_info(f"GrowForBudget: decision {k + 1} at {100 * self.spent / self.plan.total_flops:.1f} % of the "
                            f"budget: a copy with one more block at {', '.join(sites)} ({self.insertion}: "
                            f"{'function-preserving' if preserved else 'NOT function-preserving'}) trains "
-                           f"{f['arm_target']} steps beside the run's {f['run_target']} (equal FLOPs)")  # fmt: skip
+                           f"{f['arm_target']} steps beside the run's {f['run_target']} "
+                           f"({'equal steps' if self.statistic == 'steps' else 'equal FLOPs'})")  # fmt: skip
 
     def _preserved(self, trainer: Trainer, pl_module: LightningModule) -> bool:
         """Did the arm start as the run's function? Measured on the probe's first batch, not assumed."""
@@ -427,18 +468,28 @@ class GrowForBudget(Callback):
         far_frac = {k: far[k] * far["loss_before"] / test["loss_before"] for k in ("gain_frac", "lower_frac", "upper_frac")}
         half = fork_test(c1, a1, min_gain=self.min_gain, level=self.alpha, seed=seed + 2)
         depth = int(network.depth())
-        what = (f"over {100 * self.fork:.1f} % of the budget at equal FLOPs ({f['arm_steps']} steps against the run's "
+        priced = self._priced(trainer, test, control, arm, c1, a1, seed + 3) if self.statistic == "steps" else None
+        what = (f"over {100 * self.fork:.1f} % of the budget at equal "
+                f"{'steps' if self.statistic == 'steps' else 'FLOPs'} ({f['arm_steps']} steps against the run's "
                 f"{f['run_steps']}), one more block at {', '.join(f['sites'])} ({self.insertion}) changed the probe "
                 f"loss by {100 * test['gain_frac']:+.2f} % (at least {100 * test['lower_frac']:+.2f} %, at most "
                 f"{100 * test['upper_frac']:+.2f} %, {100 * (1 - self.alpha):.0f} % bounds, n={test['n']}, weights "
                 f"averaged over the fork; halfway {100 * half['gain_frac']:+.2f} %; carried to the budget's end "
                 f"{100 * far_frac['gain_frac']:+.2f} %, at least {100 * far_frac['lower_frac']:+.2f} %)")  # fmt: skip
-        judged = far_frac if self.extrapolate else test
+        if priced is not None:
+            what += (f"; at equal steps carried to the budget's end ({priced['log2_steps']:.1f} doublings of the fork's "
+                     f"steps) {100 * priced['carried_gain_frac']:+.2f} %"
+                     f"; the fewer steps a deeper network affords to the budget's end cost {100 * priced['cost_frac']:.2f} % "
+                     f"on the run's curve (to step {priced['end_arm']:.0f} instead of {priced['end_run']:.0f}), so "
+                     f"it pays {100 * priced['gain_frac']:+.2f} %, at least {100 * priced['lower_frac']:+.2f} %")  # fmt: skip
+        judged = {"fork": test, "carried": far_frac, "steps": priced}[self.statistic]
         grow, certified = budget_verdict(judged["lower_frac"], judged["upper_frac"], self.min_gain)
         record = {"decision": f["k"], "spent": f["spent"] / self.plan.total_flops, "step": f["step"],
                   "depth_before": depth, "sites": list(f["sites"]), "run_steps": f["run_steps"],
-                  "arm_steps": f["arm_steps"], "function_preserving": f.get("function_preserving"), "extrapolated": self.extrapolate, "log2_horizon": m,
+                  "arm_steps": f["arm_steps"], "function_preserving": f.get("function_preserving"), "statistic": self.statistic, "log2_horizon": m,
+                  **({f"priced_{k}": v for k, v in priced.items()} if priced is not None else {}),
                   "half_gain_frac": half["gain_frac"], "half_lower_frac": half["lower_frac"],
+                  "half_loss_before": half["loss_before"],
                   **{f"far_{k}": v for k, v in far_frac.items()},
                   **{k: test[k] for k in ("gain_frac", "lower_frac", "upper_frac", "loss_before", "loss_now", "n",
                                           "se")}}  # fmt: skip
@@ -462,6 +513,33 @@ class GrowForBudget(Callback):
             telemetry.write_history(telemetry.history_path(trainer), self.history)
         if self.verbose:
             rank_zero_info(f"GrowForBudget: {reason}")
+
+    def _priced(self, trainer: Trainer, test: dict, control: torch.Tensor, arm: torch.Tensor, c1: torch.Tensor,
+                a1: torch.Tensor, seed: int) -> dict:  # fmt: skip
+        """The equal-steps gain carried to the budget's end, less the price of fewer steps
+        (growtrain.budget.steps_cost), as fractions of the run's probe loss.
+
+        A copied block's equal-steps gain is still rising when a short fork ends (on the language model
+        it rose from halfway to the end in every seed), so it is carried on linearly in log steps from the
+        halfway and final scores to the steps the deeper network would train to the budget's end. The
+        bound covers the probe's sampling of that carried gain; the price is an estimate on the run's own
+        curve, outside the bound."""
+        f = self.fork_state
+        left = max(self.plan.total_flops - self.spent, 0.0)  # after the fork and its scoring
+        now = int(trainer.global_step)
+        end_run, end_arm = now + left / f["run_step_flops"], now + left / f["arm_step_flops"]
+        m = math.log2(max(end_arm - f["step"], f["run_target"]) / f["run_target"])  # doublings past the fork
+        far = fork_test(carried(control, c1, m), carried(arm, a1, m), min_gain=self.min_gain, level=self.alpha,
+                        seed=seed)  # fmt: skip
+        gain = {k: far[k] * far["loss_before"] / test["loss_before"] for k in ("gain_frac", "lower_frac", "upper_frac")}
+        window = [(a, b) for a, b in self.curve if a >= f["step"] - f["run_target"]]  # as long before the fork as it
+        steps = torch.tensor([a for a, _ in window], dtype=torch.float64)
+        cost, slope = steps_cost(steps, torch.tensor([b for _, b in window], dtype=torch.float64), end_run=end_run,
+                                 end_arm=end_arm)  # fmt: skip
+        frac = cost / test["loss_before"]
+        return {"cost_frac": frac, "curve_A": slope, "end_run": end_run, "end_arm": end_arm, "log2_steps": m,
+                **{f"carried_{k}": v for k, v in gain.items()},
+                **{k: gain[k] - frac for k in ("gain_frac", "lower_frac", "upper_frac")}}  # fmt: skip
 
     def _adopt(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The run grows the arm's blocks (zero-output, checked) and takes the arm's weights and state."""

@@ -2,12 +2,12 @@
 
 Three parts, each with one interface (docs/design.md draws one check's data flow)::
 
-    schedule  — when a check comes: a converged stage (StageMonitor's plateau, LrAnneal's stage
-                anneal) or every K epochs (periodic); the final anneal reserved (schedule.py,
-                schedule_rules.should_check)
-    decision  — what a check measured → a Verdict: BlockTrials (trial), PairedFork (stage_fork: its
-                arm also trains on every batch between checks), or the first-order rule of
-                measure_saturation (rule)
+    schedule  — when a check comes (the ``schedule`` option: ``Converged`` or ``Periodic``): a
+                converged stage (StageMonitor's plateau, LrAnneal's stage anneal) or every K epochs;
+                the final anneal reserved (schedule.py, schedule_rules.should_check)
+    decision  — what decides (the ``decision`` option: ``Trial``, ``StageFork`` or ``Rule``): what a
+                check measured → a Verdict: BlockTrials (trial), PairedFork (stage_fork: its arm also
+                trains on every batch between checks), or the first-order rule of measure_saturation (rule)
     editor    — what the verdict does: schedule_rules.decide_growth applies the budgets; grow
                 (function-preserving, verified, rolled back on failure), zero-state optimizer
                 groups, DDP re-wrap (editor.py)
@@ -35,13 +35,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.utils.data import DataLoader
 
-from growtrain import decision as dec
 from growtrain import schedule_rules
 from growtrain.callbacks import editor, guidance, probe_check, sharded, telemetry
 from growtrain.callbacks.anneal import LrAnneal, refuse_scheduler, schedulers_of
 from growtrain.callbacks.editor import FunctionChangedError
 from growtrain.callbacks.fork_check import PairedFork
-from growtrain.callbacks.growth_config import GrowthConfig
+from growtrain.callbacks.growth_config import Converged, GrowthConfig, Periodic, Rule, StageFork, Trial
 from growtrain.callbacks.monitor import StageMonitor
 from growtrain.callbacks.probe_data import Converted, check_probe_setup, first_input
 from growtrain.callbacks.rng_state import RandomStateCheckpoint
@@ -52,7 +51,7 @@ from growtrain.growable import probe_loss_for, resolve_network
 from growtrain.plots import outcome
 from growtrain.reconfigure import restart_schedulers
 from growtrain.saturation import SaturationReport
-from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_LR, TRIAL_SITES
+from growtrain.trial import DEFAULT_TRIAL_LR, TRIAL_SITES
 
 __all__ = ["GrowUntilSaturated", "FunctionChangedError"]
 
@@ -68,17 +67,19 @@ class GrowUntilSaturated(Callback):
         trainer = lightning.Trainer(callbacks=[GrowUntilSaturated(on_saturated="anneal")])
         trainer.fit(ImageClassifier(in_channels=1), ImageDataModule())
 
-    ``schedule="converged"`` (the default, the paper's protocol) checks when the monitored loss has
-    plateaued (with ``lr_schedule="anneal"``: after a cosine anneal of the stage); each check trains a
-    fresh block alone at the best first-order site of each stage and grows where one lowers the
-    probe's loss (samples held out from training by index) by a certified more than ``min_gain``
-    of it (``decision="trial"``).
-    ``schedule="periodic"`` checks every ``every_n_epochs`` at the constant rate: the run against a copy
-    with one more block in every stage, trained on the same batches until the next check, compared on
-    the probe (``decision="stage_fork"``), then one final anneal. docs/callback.md has a
-    row per option with the measurement behind it. Your own LightningModule: keep the growable network
-    as a submodule (``cifar_resnet``, ``GrowableStack``; no base class, any optimizer over
-    ``self.parameters()``), log ``train_loss`` per epoch, and give a probe (``probe=`` or
+    Three parts, each one option: **when** a check comes (``schedule``), **what** decides
+    (``decision``), and **how** growth goes on (the budgets, ``on_saturated``, ``lr_schedule``).
+    ``schedule=Converged(...)`` (the default ``"converged"``, the paper's protocol) checks when the
+    monitored loss has plateaued (with ``lr_schedule="anneal"``: after a cosine anneal of the stage);
+    each check trains a fresh block alone at the best first-order site of each stage and grows where
+    one lowers the probe's loss (samples held out from training by index) by a certified more than
+    ``min_gain`` of it (``decision=Trial(...)``, ``"trial"``).
+    ``schedule=Periodic(every_n_epochs=K)`` (``"periodic"``: K = 1) checks every K epochs: by default
+    the run against a copy with one more block in every stage, trained on the same batches until the
+    next check, compared on the probe (``decision=StageFork(...)``), then one final anneal.
+    docs/callback.md has a row per option with the measurement behind it. Your own LightningModule:
+    keep the growable network as a submodule (``cifar_resnet``, ``GrowableStack``; no base class, any
+    optimizer over ``self.parameters()``), log ``train_loss`` per epoch, and give a probe (``probe=`` or
     ``datamodule.probe_dataloader()``) that never feeds training.
 
     Args (one row each, with the measurement behind it, in docs/callback.md):
@@ -86,45 +87,38 @@ class GrowUntilSaturated(Callback):
             one; ``None``: ``trainer.datamodule.probe_dataloader()``.
         network: the growable network: ``None`` (found), a dotted attribute path, or the module.
         loss_fn: ``loss_fn(output, target)`` → mean loss; ``None``: ``pl_module.probe_loss``, else cross-entropy.
-        schedule: ``"converged"`` (a check when ``monitor`` plateaus) or ``"periodic"`` (every
-            ``every_n_epochs`` at the constant rate, no anneal before a check).
-        every_n_epochs: epochs between checks (periodic, or ``monitor=None``); ``None``: 1.
-        min_steps_between_checks: instead, a check at the first epoch end at least this many
-            optimizer steps after the last (checks still come only at epoch ends).
-        monitor: metric whose plateau ends a converged stage (default ``"train_loss"``, else the
-            loss ``training_step`` returns); ``None``: every ``every_n_epochs``.
-        mode: ``"min"`` or ``"max"``: the direction in which ``monitor`` improves.
-        patience: epochs without an improvement that make a plateau.
-        min_rel_delta: smallest improvement, relative to the best value, that counts (scale-free).
-        min_stage_epochs: a stage is at least this many epochs long before a plateau check.
+        schedule: when a check comes: ``Converged(monitor, mode, patience, min_rel_delta,
+            min_stage_epochs, anneal_epochs)`` (a check when ``monitor`` plateaus; ``"converged"``: its
+            defaults) or ``Periodic(every_n_epochs, min_steps_between_checks, anneal_epochs)`` (a fixed
+            interval; ``"periodic"``: every epoch). ``anneal_epochs``: the stage anneal's and the final
+            anneal's length.
+        decision: what decides: ``Trial(min_gain, epochs)`` (block-only trials), ``StageFork(min_gain)``
+            (``Periodic`` only: the run against a copy with one more block in every stage, grown
+            together; growtrain/fork.py) or ``Rule()`` (the first-order rule alone); a name
+            (``"trial"``, ``"stage_fork"``, ``"rule"``) is the class with its defaults; ``None``:
+            ``Trial()`` under ``Converged``, ``StageFork()`` under ``Periodic``.
         delta: the first-order rules' margin δ ≥ 0 (gradient-norm units).
         alpha: the error probability in (0, 1) of each test.
         t: Proposition 1's separation; giving it selects the paper's rule.
         rule: ``"crossfit"`` (default) or ``"paper"`` (Γ̂ > δ + t): decides under ``decision="rule"``,
             ranks the sites otherwise; every check reports every verdict.
-        min_gain: the fraction of the held-out loss a trial block (trial) or the fork's arm (stage_fork)
-            must certifiably gain for growth to go on; ``None``: the rule alone.
-        decision: ``"trial"`` (the default), ``"rule"``, or ``"stage_fork"`` (the periodic default):
-            the run against a copy with one more block in every stage, trained on the same batches
-            until the next check, compared on the probe (growtrain/fork.py), grown together.
-        trial_epochs: epochs of the training loader a trial block trains for (Adam, ≥ 100 steps).
         max_growths, max_params: budgets; reaching one ends growth (reason "budget").
         on_saturated: when growth ends: ``"stop"``, ``"continue"`` at that depth, or ``"anneal"``
-            (the final anneal over ``anneal_epochs``, reserved inside ``max_epochs`` and
+            (the final anneal over the schedule's ``anneal_epochs``, reserved inside ``max_epochs`` and
             ``max_steps``, then stop).
-        anneal_epochs: the final anneal's length (and a converged stage's).
         lr_schedule: after a growth the schedulers ``"continue"`` or ``"restart"``; ``"anneal"``:
-            the callback drives the rate (constant per stage, annealed before each check).
-            ``None`` (default): ``"anneal"`` under the converged schedule with a monitor, unless the
-            network's optimizer has a scheduler (then ``"continue"``, with a warning); ``"continue"``
-            with fixed-interval checks (``schedule="periodic"`` or ``monitor=None``).
+            the callback drives the rate (constant per stage, annealed before each check; not with
+            ``StageFork``). ``None`` (default): ``"anneal"`` under ``Converged``, unless the network's
+            optimizer has a scheduler (then ``"continue"``, with a warning); ``"continue"`` under
+            ``Periodic``.
         seed: candidate blocks of check ``k`` come from ``seed·1000 + k``; trial blocks from
             ``seed·100003 + k`` for the ``k``-th trial.
         verbose: one table per check and a summary at the end of the fit (rank 0).
 
     Attributes:
         config: the options, validated (``GrowthConfig``, frozen); each is also readable, read-only, as
-            ``callback.<option>`` (``network`` as ``network_spec``; ``lr_schedule`` as in force this fit).
+            ``callback.<option>`` (``network`` as ``network_spec``; ``lr_schedule`` as in force this fit),
+            the parts resolved to their instances (``callback.schedule.patience``, ``callback.decision.min_gain``).
         history: one plain dict per check (``epoch``, ``step``, ``site``, ``gamma``, ``threshold``,
             ``saturated`` (true only where ``certified``), ``certified``, ``params``, ``depth``,
             ``reason``, ``verdicts``, ``trial`` / ``fork``, ``action``, ...).
@@ -135,25 +129,15 @@ class GrowUntilSaturated(Callback):
         probe: DataLoader | Callable[[], Iterable] | None = None,
         network: str | nn.Module | None = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-        schedule: Literal["converged", "periodic"] = "converged",
-        every_n_epochs: int | None = None,
-        min_steps_between_checks: int | None = None,
-        monitor: str | None = "train_loss",
-        mode: Literal["min", "max"] = "min",
-        patience: int = 3,
-        min_rel_delta: float = 0.01,
-        min_stage_epochs: int = 2,
+        schedule: Literal["converged", "periodic"] | Converged | Periodic = "converged",
+        decision: Literal["trial", "rule", "stage_fork"] | Trial | StageFork | Rule | None = None,
         delta: float = 0.0,
         alpha: float = 0.05,
         t: float | None = None,
         rule: Literal["paper", "crossfit"] | None = None,
-        min_gain: float | None = dec.DEFAULT_MIN_GAIN,
-        decision: Literal["trial", "rule", "stage_fork"] | None = None,
-        trial_epochs: float = DEFAULT_TRIAL_EPOCHS,
         max_growths: int | None = None,
         max_params: int | None = None,
         on_saturated: Literal["stop", "continue", "anneal"] = "stop",
-        anneal_epochs: int = 10,
         lr_schedule: Literal["continue", "restart", "anneal"] | None = None,
         seed: int = 0,
         verbose: bool = True,
@@ -163,32 +147,32 @@ class GrowUntilSaturated(Callback):
         # options read back through it (read-only properties, after the class), so nothing can change one copy
         # of an option and not the others. lr_schedule=None is resolved per fit into the schedule (lr_schedule).
         self._config = GrowthConfig(
-            probe=probe, network=network, loss_fn=loss_fn, schedule=schedule, every_n_epochs=every_n_epochs,
-            min_steps_between_checks=min_steps_between_checks, monitor=monitor, mode=mode, patience=patience,
-            min_rel_delta=min_rel_delta, min_stage_epochs=min_stage_epochs, delta=delta, alpha=alpha, t=t, rule=rule,
-            min_gain=min_gain, decision=decision, trial_epochs=trial_epochs, max_growths=max_growths,
-            max_params=max_params, on_saturated=on_saturated, anneal_epochs=anneal_epochs, lr_schedule=lr_schedule,
-            seed=seed, verbose=verbose,
+            probe=probe, network=network, loss_fn=loss_fn, schedule=schedule, decision=decision, delta=delta,
+            alpha=alpha, t=t, rule=rule, max_growths=max_growths, max_params=max_params, on_saturated=on_saturated,
+            lr_schedule=lr_schedule, seed=seed, verbose=verbose,
         )  # fmt: skip
         c = self._config
+        when, what = c.schedule, c.decision
+        converged = isinstance(when, Converged)
         self._network: nn.Module | None = None
         self._loss: Callable | None = None
-        # the schedule: when a check comes (its plateau and anneal parts kept here by name too)
-        self._monitor = StageMonitor(c.monitor, c.mode, c.patience, c.min_rel_delta)
-        self._anneal = LrAnneal(c.anneal_epochs)
+        # the schedule: when a check comes (its plateau and anneal parts kept here by name too); a periodic
+        # schedule has no plateau to watch
+        self._monitor = (StageMonitor(when.monitor, when.mode, when.patience, when.min_rel_delta) if converged
+                         else StageMonitor(None, "min", 1, 0.0))  # fmt: skip
+        self._anneal = LrAnneal(when.anneal_epochs)
         self._schedule = CheckSchedule(
-            kind=c.schedule, every_n_epochs=c.every_n_epochs, min_stage_epochs=c.min_stage_epochs,
-            lr_schedule=c.lr_schedule, on_saturated=c.on_saturated, monitor=self._monitor, anneal=self._anneal,
-            min_steps_between_checks=c.min_steps_between_checks)
+            kind=when.kind, every_n_epochs=1 if converged else when.every_n_epochs or 1,
+            min_stage_epochs=when.min_stage_epochs if converged else 1, lr_schedule=c.lr_schedule,
+            on_saturated=c.on_saturated, monitor=self._monitor, anneal=self._anneal,
+            min_steps_between_checks=None if converged else when.min_steps_between_checks)  # fmt: skip
         # the decision: one interface, judge(CheckInputs) → (verdict, sites, record entry)
         self._decider = {
-            "trial": lambda: BlockTrials(epochs=c.trial_epochs, lr=DEFAULT_TRIAL_LR, sites=TRIAL_SITES,
-                                         min_gain=c.min_gain, seed=c.seed),
+            "trial": lambda: BlockTrials(epochs=what.epochs, lr=DEFAULT_TRIAL_LR, sites=TRIAL_SITES,
+                                         min_gain=what.min_gain, seed=c.seed),
             "rule": FirstOrderRule,
-            "stage_fork": lambda: PairedFork(min_gain=c.min_gain, seed=c.seed, horizon=(
-                f"{c.every_n_epochs} epoch(s)" if c.min_steps_between_checks is None
-                else f"{c.min_steps_between_checks}+ optimizer step(s)")),
-        }[c.decision]()  # fmt: skip
+            "stage_fork": lambda: PairedFork(min_gain=what.min_gain, seed=c.seed, horizon=when.interval),
+        }[what.name]()  # fmt: skip
         self._trials = self._decider if isinstance(self._decider, BlockTrials) else None
         self._fork = self._decider if isinstance(self._decider, PairedFork) else None
         self._reset_state()
@@ -288,7 +272,7 @@ class GrowUntilSaturated(Callback):
         if sharded.is_model_parallel(trainer.strategy):  # resume: grow to the checkpoint's depth before the shards load
             sharded.install_resume(trainer, lambda: self._network or self._resolve_network(pl_module, required=True))
         self._loss = probe_loss_for(pl_module, self.loss_fn)
-        probe_check.check_probe_source(trainer, self.probe, paired=self.min_gain is not None)
+        probe_check.check_probe_source(trainer, self.probe, paired=not isinstance(self.decision, Rule))
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._fit_start = time.perf_counter()
@@ -384,10 +368,11 @@ class GrowUntilSaturated(Callback):
 
     def _horizon_steps(self, trainer: Trainer) -> int | None:
         """Optimizer steps from one check to the next (the fork's horizon)."""
-        if self.min_steps_between_checks is not None:
-            return int(self.min_steps_between_checks)
+        when = self.schedule  # a stage fork runs under a Periodic schedule only
+        if when.min_steps_between_checks is not None:
+            return int(when.min_steps_between_checks)
         per_epoch = steps_per_epoch(trainer)
-        return None if per_epoch is None else per_epoch * self.every_n_epochs
+        return None if per_epoch is None else per_epoch * when.every_n_epochs
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._monitor.validation_end(trainer)
@@ -447,11 +432,8 @@ class GrowUntilSaturated(Callback):
         no_check = None
         if not self.history:  # the callback did nothing: say so, why, and what to change
             no_check = guidance.no_check_message(
-                monitor=self.monitor if self.schedule == "converged" else None,  # periodic: no monitor gates a check
-                best=self._monitor.best, wait=self._monitor.wait, patience=self.patience,
-                mode=self.mode, min_rel_delta=self.min_rel_delta, min_stage_epochs=self.min_stage_epochs,
-                stage_epochs=self.stage_epochs, every_n_epochs=self.every_n_epochs, epochs=trainer.current_epoch,
-                waiting=self._schedule.waiting, min_steps_between_checks=self.min_steps_between_checks,
+                schedule=self.schedule, best=self._monitor.best, wait=self._monitor.wait,
+                stage_epochs=self.stage_epochs, epochs=trainer.current_epoch, waiting=self._schedule.waiting,
                 steps=trainer.global_step,
             )  # fmt: skip
             rank_zero_warn(no_check, category=UserWarning)
@@ -567,7 +549,7 @@ class GrowUntilSaturated(Callback):
         elif self.on_saturated == "anneal":
             if self._anneal.start(editor.optimizer_for(trainer, self._network), "final"):
                 rank_zero_info(f"GrowUntilSaturated: growth ended ({words}); annealing the learning rate to 0 over "
-                               f"{self.anneal_epochs} epoch(s), then stopping")  # fmt: skip
+                               f"{self.schedule.anneal_epochs} epoch(s), then stopping")  # fmt: skip
         elif why == "saturated" and self.on_saturated == "stop":
             trainer.should_stop = True
             rank_zero_info(f"GrowUntilSaturated: stopping training at epoch {trainer.current_epoch}: {reason}")
@@ -625,7 +607,7 @@ def _option(name: str) -> property:
                     doc=f"The ``{name}`` option as validated (``config.{name}``); read-only.")  # fmt: skip
 
 
-# Every option readable on the callback (callback.min_gain, ...), through its config: the growable network's
+# Every option readable on the callback (callback.alpha, callback.schedule.patience), through its config: the growable network's
 # option as network_spec (the resolved network is found per fit), lr_schedule as resolved (the property above).
 for _name in GrowthConfig.names():
     _attr = "network_spec" if _name == "network" else _name

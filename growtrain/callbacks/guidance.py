@@ -1,7 +1,8 @@
 """What ``GrowUntilSaturated`` tells a user who would otherwise wonder what happened.
 
-- :func:`no_check_message`: a fit in which no check ran, with the reason (the monitor and its
-  best value, patience, ``min_stage_epochs``) and what to change (:func:`no_check_reason`: the
+- :func:`no_check_message`: a fit in which no check ran, with the reason (the ``Converged``
+  schedule's monitor and its best value, patience, ``min_stage_epochs``, or the ``Periodic``
+  interval) and what to change (:func:`no_check_reason`: the
   reason alone, for the summary that follows the warning);
 - :func:`output_lines`: where the fit's outputs are (logs, ``growth_history.json``, the Γ̂
   trace, checkpoints, and which checkpoint holds the network the fit handed over), naming only
@@ -19,16 +20,20 @@ from typing import Any
 
 __all__ = ["no_check_message", "no_check_reason", "output_lines", "phase_line"]
 
-def no_check_message(*, monitor: str | None, best: float | None, wait: int, patience: int, mode: str,
-                     min_rel_delta: float, min_stage_epochs: int, stage_epochs: int,
-                     every_n_epochs: int, epochs: int, waiting: str | None,
-                     min_steps_between_checks: int | None = None, steps: int = 0) -> str:  # fmt: skip
-    """Why a fit ended without a single growth check, and what to change. ``monitor``: the metric
-    that gates a check (``None`` under the periodic schedule or ``monitor=None``); ``steps``: the
-    optimizer steps of the fit (what ``min_steps_between_checks`` counts)."""
+def no_check_message(*, schedule: Any, best: float | None, wait: int, stage_epochs: int, epochs: int,
+                     waiting: str | None, steps: int = 0) -> str:  # fmt: skip
+    """Why a fit ended without a single growth check, and what to change. ``schedule``: the callback's
+    ``Converged`` (its monitor gates a check) or ``Periodic`` (a fixed interval) part; ``best``,
+    ``wait``: the plateau's state; ``steps``: the optimizer steps of the fit (what
+    ``min_steps_between_checks`` counts)."""
+    converged = schedule.kind == "converged"
+    monitor = schedule.monitor if converged else None
+    every_n_epochs = None if converged else schedule.every_n_epochs
+    min_steps_between_checks = None if converged else schedule.min_steps_between_checks
     if epochs == 0:
         why = "no training epoch ended (a check runs at the end of a training epoch)"
-    elif monitor is not None:
+    elif converged:
+        patience, mode, min_rel_delta = schedule.patience, schedule.mode, schedule.min_rel_delta
         if best is None:
             plateau = f"its best value was never recorded (patience={patience})"
         else:
@@ -38,7 +43,7 @@ def no_check_message(*, monitor: str | None, best: float | None, wait: int, pati
                        f"{wait} epoch(s) had none")  # fmt: skip
         why = (
             f"monitor={monitor!r} never plateaued: {plateau}; the current stage is {stage_epochs} epoch(s) long "
-            f"(min_stage_epochs={min_stage_epochs})"
+            f"(min_stage_epochs={schedule.min_stage_epochs})"
         )
     elif min_steps_between_checks is not None:
         why = (f"min_steps_between_checks={min_steps_between_checks} is more than the {steps} optimizer step(s) "
@@ -52,14 +57,15 @@ def no_check_message(*, monitor: str | None, best: float | None, wait: int, pati
     if waiting:
         why += f"; at the last epoch: {waiting}"
     fixes = ["train longer (trainer.max_epochs or max_steps)"]
-    if epochs > 0 and monitor is not None:  # no epoch trained: only training at all helps
-        fixes += [f"a smaller patience (now {patience}) or a larger min_rel_delta (now {min_rel_delta:g})",
-                  "monitor=None with every_n_epochs=N to check on a fixed schedule"]  # fmt: skip
+    if epochs > 0 and converged:  # no epoch trained: only training at all helps
+        fixes += [f"a smaller Converged.patience (now {schedule.patience}) or a larger Converged.min_rel_delta "
+                  f"(now {schedule.min_rel_delta:g})",
+                  "schedule=Periodic(every_n_epochs=N) to check on a fixed interval"]  # fmt: skip
     elif epochs > 0 and min_steps_between_checks is not None:
         if min_steps_between_checks > steps:
-            fixes.append("a smaller min_steps_between_checks")
+            fixes.append("a smaller Periodic.min_steps_between_checks")
     elif epochs > 0 and every_n_epochs > epochs:
-        fixes.append("a smaller every_n_epochs")
+        fixes.append("a smaller Periodic.every_n_epochs")
     return (
         f"GrowUntilSaturated: no growth check ran in this fit of {epochs} epoch(s), so the network was not "
         f"grown or judged and no growth_history.json or gamma_trace.png was written. Why: {why}. "

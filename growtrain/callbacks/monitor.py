@@ -102,7 +102,8 @@ class StageMonitor:
             raise RuntimeError(
                 f"monitor: metric {self.monitor!r} is not logged; available: {sorted(trainer.callback_metrics)}. "
                 f"Fix: log it per epoch in your LightningModule (self.log({self.monitor!r}, value, on_epoch=True)), "
-                f"monitor one of the available metrics, or pass monitor=None (checks every every_n_epochs).{validation}"
+                f"monitor one of the available metrics, or pass schedule=Periodic(every_n_epochs=N) (a check every N "
+                f"epochs, no monitor).{validation}"
             )
         self._last = value
         value = float(value)

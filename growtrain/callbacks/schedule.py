@@ -1,6 +1,6 @@
 """When growth must end so that the final phase fits: pure functions of the budget.
 
-With ``on_saturated="anneal"`` the final anneal (``anneal_epochs``) is reserved inside
+With ``on_saturated="anneal"`` the final anneal (the schedule's ``anneal_epochs``) is reserved inside
 ``max_epochs`` and ``max_steps`` (as whole epochs of optimizer steps) under both schedules
 (converged and periodic): once no more than that is left, growth ends as a budget and the anneal trains the network handed over, so no fit hands over a
 network cut mid-stage. ``CheckSchedule``: the schedule part of the callback (when a check comes,
@@ -77,7 +77,7 @@ def no_room(max_epochs: int | None, current_epoch: int, anneal_epochs: int, on_s
     _, name, which = budget
     return (f"{which} leaves no epoch to grow in: the last anneal_epochs={anneal_epochs} are reserved for the "
             "final anneal (on_saturated='anneal'), so growth ends at the first epoch as a budget. "
-            f"Fix: raise {name}, lower anneal_epochs, or pass on_saturated='stop'.")  # fmt: skip
+            f"Fix: raise {name}, lower the schedule's anneal_epochs, or pass on_saturated='stop'.")  # fmt: skip
 
 
 class CheckSchedule:

@@ -255,6 +255,7 @@ def fit_end_summary(cb: Any, trainer: Any, *, no_check: str | None, history_path
         probe_seconds=cb.check_seconds,
         fit_seconds=fit_seconds, no_check=no_check,
         outputs=guidance.output_lines(trainer, history_path=history_path, history_written=written),
-        phases=guidance.phase_line(growth_epochs=cb.growth_epochs, final_epochs=cb.final_epochs, anneal_epochs=cb.anneal_epochs,
-                          on_saturated=cb.on_saturated, epochs=trainer.current_epoch, schedule=cb.schedule),
+        phases=guidance.phase_line(growth_epochs=cb.growth_epochs, final_epochs=cb.final_epochs,
+                                   anneal_epochs=cb.schedule.anneal_epochs, on_saturated=cb.on_saturated,
+                                   epochs=trainer.current_epoch, schedule=cb.schedule.kind),
     )  # fmt: skip

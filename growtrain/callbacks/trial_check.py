@@ -4,7 +4,7 @@ A collaborator with its own state, not a mixin: the callback hands it the traine
 the network and the check's first-order report, and gets back a verdict (``growtrain.trial``
 decides). Per check it tries up to ``TRIAL_SITES`` (3) sites — the best first-order site of each
 stage, best first — and for each: a fresh zero-output block goes in, is trained alone for
-``trial_epochs`` of the training loader's batches (as a training step receives them; Adam, cosine
+``Trial.epochs`` of the training loader's batches (as a training step receives them; Adam, cosine
 to 0), and each probe sample's loss is compared with its loss before; then the block is taken out
 again, so the network is bit-for-bit what it was (the other parameters were frozen, every other
 module in eval mode, the trial's optimizer is its own).

@@ -9,8 +9,8 @@ depth and the data. For every seed:
 * **scratch**: every depth of the sweep (``depths``, values of the depth hyper-parameter, e.g.
   ``added``) is trained from random initialisation under the *same* stopping rule as the growth
   run's final stage: the configured callback with ``max_growths=0`` — constant learning rate
-  until its ``monitor`` plateaus (the shipped config watches ``val_loss``; the same ``patience``/
-  ``min_rel_delta``/``min_stage_epochs``), then the same anneal. No probe is spent on scratch
+  until its schedule's ``monitor`` plateaus (the shipped config's ``Converged`` watches ``val_loss``;
+  the same ``patience``/``min_rel_delta``/``min_stage_epochs``), then the same anneal. No probe is spent on scratch
   runs. Each training keeps its epoch checkpoints in its own folder under ``output_dir``
   (``growth_<decision>_seed<S>/``, ``scratch_<depth kwarg><value>_seed<S>/``).
 
@@ -43,6 +43,7 @@ from growtrain.experiments.runs import (
     mean_std, module_at_depth, parse_depths, prepare, resolve_depth_kwarg, rich_table,
 )  # fmt: skip
 from growtrain.plots import outcome
+from growtrain.trial import DEFAULT_TRIAL_EPOCHS
 
 __all__ = ["StoppingResult", "run_stopping", "smallest_good_depth", "stopped_by"]
 
@@ -53,6 +54,10 @@ DECISION_OPTIONS = ("rule", "alpha", "delta", "t", "max_growths", "max_params", 
 # Options added after folders of results were written, with their default: left out of the file's
 # fingerprint while at it, so those folders resume (min_steps_between_checks: the ninth session).
 NEW_OPTIONS = {"min_steps_between_checks": None}
+# The fields of the schedule the callback does not have, as the flat options every folder was keyed by
+# before the options were grouped into the schedule and decision parts (their defaults then).
+FLAT_DEFAULTS = {"monitor": "train_loss", "mode": "min", "patience": 3, "min_rel_delta": 0.01, "min_stage_epochs": 2,
+                 "every_n_epochs": 1, "min_steps_between_checks": None}  # fmt: skip
 
 
 def smallest_good_depth(by_depth: dict[int, list[float]]) -> tuple[int, int]:
@@ -142,11 +147,24 @@ class StoppingResult:
         return self.table()
 
 
+def flat_options(config: GrowthConfig) -> dict:
+    """The callback's options as the flat names results folders are keyed by (the form they had before
+    the options were grouped): the schedule and decision by name, their fields beside them (``min_gain``
+    ``None`` for the rule alone, ``trial_epochs`` the trial's budget, the default elsewhere)."""
+    options = {k: v for k, v in vars(config).items() if k not in ("probe", "network", "loss_fn", "verbose")}
+    when, what = options.pop("schedule"), options.pop("decision")
+    # the fields of the schedule in force (every_n_epochs was 1, never None, beside min_steps_between_checks)
+    options |= FLAT_DEFAULTS | {k: v for k, v in vars(when).items() if v is not None}
+    options |= {"schedule": when.kind, "decision": what.name, "min_gain": getattr(what, "min_gain", None),
+                "trial_epochs": getattr(what, "epochs", DEFAULT_TRIAL_EPOCHS)}  # fmt: skip
+    return options
+
+
 def file_options(config: GrowthConfig) -> dict:
     """The callback's options that key a results folder (its fingerprint, with the decision's split
-    off by the caller). An option added later keys it only when set (``NEW_OPTIONS``), so folders
-    written before it was added still resume."""
-    options = {k: v for k, v in vars(config).items() if k not in ("probe", "network", "loss_fn", "verbose")}
+    off by the caller), flat (``flat_options``). An option added later keys it only when set
+    (``NEW_OPTIONS``), so folders written before it was added still resume."""
+    options = flat_options(config)
     for name, default in NEW_OPTIONS.items():
         if options.get(name) == default:
             options.pop(name)
@@ -263,7 +281,8 @@ def run_stopping(
             module, datamodule, kwargs, root, others, grower, name, depth_offset(model, name), seed, extra)
         result.table1 = table_arms(
             model=model, datamodule=datamodule, kwargs=kwargs, log=log, out=out, name=name, rows=rows, seeds=seeds,
-            keep=others, grower=lambda: _scratch_grower(grow), train_fn=train_fn, anneal_epochs=grow.anneal_epochs,
+            keep=others, grower=lambda: _scratch_grower(grow), train_fn=train_fn,
+            anneal_epochs=grow.schedule.anneal_epochs,
             compute_matched=compute_matched, controls=table_controls, train=train, factory=module_factory,
         )  # fmt: skip
         result.files.update({f"table1.{k}": v for k, v in result.table1.files.items()})
