@@ -16,7 +16,7 @@ FlopCounterMode, as ComputeMeter does): a deeper network takes fewer optimizer s
   budget[-x|-steps][-fF][-cC][-pP][-zero]  GrowForBudget from 2 blocks on scratch-2's steps: C decisions (4)
                    over the first P % (40), each a fork over F ‰ of the budget (20) judged on its equal-FLOP gain;
                    -x: on the gain carried to the budget's end; -steps: the equal-steps gain less the price of
-                   fewer steps on the run's curve (statistic="steps"); -zero: the zero insertion (default copy); it drives WSD itself
+                   fewer steps on the run's curve (statistic="steps"; -eNN: its curve exponent NN/100); -zero: the zero insertion (default copy); it drives WSD itself
   decide           2 blocks, GrowUntilSaturated (block-only trials every 2 of 250-step epochs) on the
                    step count of scratch-4: where the decision stops at this budget
 
@@ -83,6 +83,8 @@ def arm_spec(arm: str) -> dict:
                 opts["statistic"] = "carried"
             elif part == "steps":
                 opts["statistic"] = "steps"
+            elif part[0] == "e" and part[1:].isdigit():  # the steps statistic's curve exponent, in hundredths
+                opts["exponent"] = int(part[1:]) / 100
             elif part == "zero":
                 opts["insertion"] = "zero"
             elif part[0] == "f":
@@ -178,7 +180,12 @@ def main() -> None:
     elif spec.get("budget"):
         from growtrain import GrowForBudget
 
-        grow = GrowForBudget(seed=args.seed, **spec["budget"])
+        import growtrain.budget
+
+        opts = dict(spec["budget"])
+        if "exponent" in opts:  # a stability row: the price's exponent halved or doubled
+            growtrain.budget.COST_EXPONENT = opts.pop("exponent")
+        grow = GrowForBudget(seed=args.seed, **opts)
         callbacks.append(grow)
     elif spec.get("decide"):
         grow = GrowUntilSaturated(schedule=Periodic(every_n_epochs=2), decision="trial",

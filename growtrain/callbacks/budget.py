@@ -42,6 +42,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from growtrain import insertion as ins
+import growtrain.budget as budget_math
 from growtrain.budget import BudgetPlan, budget_verdict, carried, fork_steps, plan_problem, steps_cost
 from growtrain.callbacks import editor, probe_check, telemetry
 from growtrain.callbacks.compute import _inputs, forward_flops
@@ -535,7 +536,7 @@ class GrowForBudget(Callback):
         window = [(a, b) for a, b in self.curve if a >= f["step"] - f["run_target"]]  # as long before the fork as it
         steps = torch.tensor([a for a, _ in window], dtype=torch.float64)
         cost, slope = steps_cost(steps, torch.tensor([b for _, b in window], dtype=torch.float64), end_run=end_run,
-                                 end_arm=end_arm)  # fmt: skip
+                                 end_arm=end_arm, exponent=budget_math.COST_EXPONENT)  # read here: the rows vary it
         frac = cost / test["loss_before"]
         return {"cost_frac": frac, "curve_A": slope, "end_run": end_run, "end_arm": end_arm, "log2_steps": m,
                 **{f"carried_{k}": v for k, v in gain.items()},
