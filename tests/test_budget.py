@@ -259,6 +259,20 @@ def test_steps_statistic_trains_the_arm_as_many_steps_as_the_run(quiet_trainer_k
     assert steps.decision_flops > flops.decision_flops
 
 
+def test_steps_statistic_curve_survives_a_checkpoint(quiet_trainer_kwargs):
+    """The run's (step, loss) curve the price is fitted on travels in the callback's state, as floats."""
+    cb = GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, statistic="steps")
+    _fit(cb, 400, quiet_trainer_kwargs)
+    state = cb.state_dict()
+    assert len(state["curve"]) == len(cb.curve) > 0
+    assert all(isinstance(loss, float) for _, loss in state["curve"])
+    again = GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, statistic="steps")
+    again.load_state_dict(state)
+    assert [(a, float(b)) for a, b in again.curve] == [(a, float(b)) for a, b in cb.curve]
+    steps = [a for a, _ in cb.curve]
+    assert steps == list(range(steps[0], steps[0] + len(steps)))  # every optimizer step, in order, none twice
+
+
 def test_steps_cost_against_the_curve_written_out():
     """On an exact curve L = E + A·S^(−½) the fit recovers A and prices fewer steps as the curve does; a
     right-skewed noise (losses are skewed) leaves A within 10 %; a flat curve costs nothing."""

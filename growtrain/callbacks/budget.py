@@ -175,7 +175,9 @@ class GrowForBudget(Callback):
         self.next_point = 0
         self.finished: str | None = None  # why growth ended
         self.history: list[dict] = []
-        self.curve: list[tuple[int, float]] = []  # (optimizer step, training loss) of the run: "steps" prices steps
+        # (optimizer step, training loss) of each of the run's batches: "steps" prices steps on it. The losses stay
+        # tensors on the network's device until a decision reads them: no host sync on the training step.
+        self.curve: list[tuple[int, torch.Tensor | float]] = []
         self.start_depth: int | None = None
         self.fork_state: dict | None = None  # the open fork's counters (sites, steps, targets)
         self.arm: nn.Module | None = None
@@ -191,7 +193,7 @@ class GrowForBudget(Callback):
                  "decision_flops": self.decision_flops, "next_point": self.next_point, "finished": self.finished,
                  "history": telemetry.plain(self.history), "start_depth": self.start_depth,
                  "fork_state": copy.deepcopy(self.fork_state), "seconds": self._seconds(),
-                 "curve": [list(p) for p in self.curve]}  # fmt: skip
+                 "curve": [[a, float(b)] for a, b in self.curve]}  # fmt: skip
         if self.arm is not None:
             state["arm"] = {k: v.detach().cpu().clone() for k, v in self.arm.state_dict().items() if torch.is_tensor(v)}
             state["arm_opt"] = self.arm_opt.state_dict() if self.arm_opt is not None else None
@@ -312,12 +314,9 @@ class GrowForBudget(Callback):
             raise ValueError(f"statistic='steps': prices steps on the run's training losses, but training_step "
                              f"returned {type(outputs).__name__}, not the loss. Fix: return the loss (or a dict "
                              "with 'loss') from training_step, or pass statistic='carried'.")  # fmt: skip
-        step = int(trainer.global_step)
-        if self.curve and self.curve[-1][0] == step:  # gradient accumulation: the step's batches averaged
-            self.curve[-1] = (step, 0.5 * (self.curve[-1][1] + float(loss.detach())))
-        else:
-            self.curve.append((step, float(loss.detach())))
-        horizon = 4 * max(1, int(self.fork * self._total_steps))  # what a decision's window can use
+        # every batch (under gradient accumulation, several at one step): the fit's bins average them
+        self.curve.append((int(trainer.global_step), loss.detach()))
+        horizon = 4 * max(1, int(self.fork * self._total_steps)) * trainer.accumulate_grad_batches  # a window's use
         if len(self.curve) > 2 * horizon:
             del self.curve[: len(self.curve) - horizon]
 
@@ -535,7 +534,9 @@ class GrowForBudget(Callback):
         gain = {k: far[k] * far["loss_before"] / test["loss_before"] for k in ("gain_frac", "lower_frac", "upper_frac")}
         window = [(a, b) for a, b in self.curve if a >= f["step"] - f["run_target"]]  # as long before the fork as it
         steps = torch.tensor([a for a, _ in window], dtype=torch.float64)
-        cost, slope = steps_cost(steps, torch.tensor([b for _, b in window], dtype=torch.float64), end_run=end_run,
+        device = next(self._network.parameters()).device  # a resumed curve holds floats, a live one tensors
+        losses = torch.stack([torch.as_tensor(b).to(device, torch.float64) for _, b in window]).cpu()  # one sync
+        cost, slope = steps_cost(steps, losses, end_run=end_run,
                                  end_arm=end_arm, exponent=budget_math.COST_EXPONENT)  # read here: the rows vary it
         frac = cost / test["loss_before"]
         return {"cost_frac": frac, "curve_A": slope, "end_run": end_run, "end_arm": end_arm, "log2_steps": m,
