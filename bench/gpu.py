@@ -67,7 +67,7 @@ from growtrain.lm import token_cross_entropy  # noqa: E402
 from growtrain.models import cifar_resnet  # noqa: E402
 from growtrain.models.gpt import GPT, GPTConfig  # noqa: E402
 from growtrain.optim import param_groups  # noqa: E402
-from growtrain.saturation import RULES  # noqa: E402
+from growtrain.decision import RULES  # noqa: E402
 
 
 # -- timing and memory on either device ----------------------------------------------------------

@@ -47,7 +47,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from chen_qin import chen_qin_test, chen_qin_z, trace_sq_estimate  # noqa: E402  (bench/chen_qin.py)
 from growtrain.crossfit import (  # noqa: E402
-    alpha_schedule,
     cantelli_factor,
     crossfit_from_samples,
     normal_quantile,
@@ -76,7 +75,7 @@ def seed_of(*parts) -> int:
 
 
 # -- route 1: sufficient statistics (Gaussian, exact, O(p)) ------------------------------------
-def sufficient_curves(p, n, cov, K, draws, alpha, xs, seed, chunk_elems=2**22, paper=True):
+def sufficient_curves(p, n, cov, K, draws, alpha, xs, seed, chunk_elems=2**22):
     """P(grow) of the paper and cross-fit rules at each ``x``; site 0 carries the signal ``γ e₀``.
 
     Per draw and site it draws ``ĝ − g ~ N(0, Σ/n)``, ``σ̂²`` (independent of ``ĝ``), ``ĝ(A) − g ~
@@ -92,19 +91,18 @@ def sufficient_curves(p, n, cov, K, draws, alpha, xs, seed, chunk_elems=2**22, p
         "crossfit-normal": normal_quantile(1 - level) / math.sqrt(n_b),
         "crossfit-cantelli": cantelli_factor(level, n_b),
     }
-    counts = {rule: np.zeros(len(xs)) for rule in EXACT_RULES if paper or rule != "paper"}
+    counts = {rule: np.zeros(len(xs)) for rule in EXACT_RULES}
     gammas = np.asarray(xs, dtype=np.float64)[:, None] / math.sqrt(n)  # (X, 1); σ = 1
     chunk = max(1, chunk_elems // (K * p))
     done = 0
     while done < draws:
         d = min(chunk, draws - done)
-        if paper:
-            z = rng.standard_normal((d, K, p)) * np.sqrt(lam / n)  # ĝ − g
-            z_sq, z_e = (z**2).sum(-1), z[..., 0]
-            t = np.sqrt(((rng.chisquare(n - 1, (d, K, p)) * lam).sum(-1) / (n - 1)).sum(1) / (n * alpha))  # (d,)
-            grad0 = np.sqrt(z_sq[:, 0] + 2 * gammas * z_e[:, 0] + gammas**2)  # (X, d)
-            gamma_null = np.sqrt(z_sq[:, 1:]).max(1) if K > 1 else np.zeros(d)
-            counts["paper"] += (np.maximum(grad0, gamma_null) > t).sum(1)
+        z = rng.standard_normal((d, K, p)) * np.sqrt(lam / n)  # ĝ − g
+        z_sq, z_e = (z**2).sum(-1), z[..., 0]
+        t = np.sqrt(((rng.chisquare(n - 1, (d, K, p)) * lam).sum(-1) / (n - 1)).sum(1) / (n * alpha))  # (d,)
+        grad0 = np.sqrt(z_sq[:, 0] + 2 * gammas * z_e[:, 0] + gammas**2)  # (X, d)
+        gamma_null = np.sqrt(z_sq[:, 1:]).max(1) if K > 1 else np.zeros(d)
+        counts["paper"] += (np.maximum(grad0, gamma_null) > t).sum(1)
         za = rng.standard_normal((d, K, p)) * np.sqrt(lam / n_a)  # ĝ(A) − g
         za_sq, za_e, za_lam = (za**2).sum(-1), za[..., 0], (za**2 * lam).sum(-1)
         w = rng.standard_normal((d, K))  # standardised mean of s on B
@@ -275,7 +273,7 @@ def fmt_x(value) -> str:
     return f"> {X_GRID[-1]:g}" if value is None else f"{value:.2g}"
 
 
-def markdown(curves, nulls, spending, k_table, check, args) -> str:
+def markdown(curves, nulls, k_table, check, args) -> str:
     xs = list(X_GRID)
     bsd = lambda d: math.sqrt(args.alpha * (1 - args.alpha) / d)  # noqa: E731
     L = [
@@ -320,16 +318,6 @@ def markdown(curves, nulls, spending, k_table, check, args) -> str:
     ]
     for (cov, K), c in k_table.items():
         L.append(f"| {cov} | {K} | " + " | ".join(fmt_x(x_at(c[r], xs)) for r in EXACT_RULES) + " |")
-    L += [
-        "",
-        f"**α spent over repeated checks** (crossfit-normal x₈₀ at check k, p = {args.big[0]}, "
-        f"n = {args.big[1]}, K = {args.K_big}, α = {args.alpha}):",
-        "",
-        "| cov | scheme | " + " | ".join(f"k={k}" for k in args.checks) + " |",
-        "|" + "---|" * (2 + len(args.checks)),
-    ]
-    for (cov, scheme), row in spending.items():
-        L.append(f"| {cov} | {scheme} | " + " | ".join(fmt_x(v) for v in row) + " |")
     L += ["", f"Cross-check of the two routes (paper and cross-fit, Gaussian): {check}."]
     return "\n".join(L)
 
@@ -376,13 +364,12 @@ def main(argv=None):
     ap.add_argument("--max-np", type=float, default=1e6, help="per-sample route only where n·p ≤ this")
     ap.add_argument("--max-np-t3", type=float, default=2.5e5, help="heavy-tail size checks only where n·p ≤ this")
     ap.add_argument("--K", type=int, default=4, help="candidate sites")
-    ap.add_argument("--K-big", type=int, default=13, help="sites for the K and α-spending tables")
+    ap.add_argument("--K-big", type=int, default=13, help="sites for the K table")
     ap.add_argument("--alpha", type=float, default=0.05)
     ap.add_argument("--p", type=int, nargs="+", default=[100, 2000])
     ap.add_argument("--n", type=int, nargs="+", default=[500, 2000])
     ap.add_argument("--cov", nargs="+", default=["iso", "decay"])
     ap.add_argument("--big", type=int, nargs=2, default=[2000, 2000], metavar=("P", "N"))
-    ap.add_argument("--checks", type=int, nargs="+", default=[0, 4, 9, 19])
     ap.add_argument("--block", type=int, default=32, help="block of the incomplete tr(Σ²) U-statistic")
     ap.add_argument("--workers", type=int, default=2, help="processes (one thread each)")
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
@@ -410,11 +397,6 @@ def main(argv=None):
     for cov in args.cov:
         big = dict(common, cov=cov, p=P, n=N, K=args.K_big, draws=args.draws)
         jobs[("K", cov, args.K_big)] = ("sufficient", dict(big, seed=seed_of("K", cov)))
-        for scheme in ("geometric", "inverse_square"):
-            for k in args.checks:
-                a_k = alpha_schedule(args.alpha, k, scheme)
-                spend = dict(big, alpha=a_k, seed=seed_of("a", cov, scheme, k), paper=False)
-                jobs[("spend", cov, scheme, k)] = ("sufficient", spend)
 
     def cost(key):  # per-sample jobs first, biggest first, so the pool ends evenly
         name, kw = jobs[key]
@@ -431,7 +413,7 @@ def main(argv=None):
         outs = [run_job(jobs[k]) for k in keys]
     res = dict(zip(keys, outs))
 
-    curves, nulls, k_table, spending, diffs = {}, {}, {}, {}, []
+    curves, nulls, k_table, diffs = {}, {}, {}, []
     for cov, p, n in settings:
         c = dict(res[("curve", cov, p, n)])
         if ("cq", cov, p, n) in res:
@@ -444,12 +426,6 @@ def main(argv=None):
     for cov in args.cov:
         k_table[(cov, args.K)] = res[("curve", cov, P, N)] if ("curve", cov, P, N) in res else None
         k_table[(cov, args.K_big)] = res[("K", cov, args.K_big)]
-        for scheme in ("constant", "geometric", "inverse_square"):
-            row = []
-            for k in args.checks:
-                src = res[("K", cov, args.K_big)] if scheme == "constant" else res[("spend", cov, scheme, k)]
-                row.append(x_at(src["crossfit-normal"], xs))
-            spending[(cov, scheme)] = row
     k_table = {k: v for k, v in k_table.items() if v is not None}
     check = (
         f"max |ΔP(grow)| = {max(diffs):.3f} over {len(diffs)} points "
@@ -457,7 +433,7 @@ def main(argv=None):
         if diffs
         else "no setting ran both routes"
     )
-    table = markdown(curves, nulls, spending, k_table, check, args)
+    table = markdown(curves, nulls, k_table, check, args)
     print(table)
     print(f"# total {time.time() - start:.0f}s", file=sys.stderr)
     plot(curves, Path(args.png))

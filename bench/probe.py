@@ -2,7 +2,6 @@
 
     python bench/probe.py                      # cifar_resnet (4,4,4) w=16, 13 sites, n=256
     python bench/probe.py --family basic --n 256 --repeats 5
-    python bench/probe.py --ops check_crossfit check_relative --repeats 7   # the relative rule's cost
     python bench/probe.py --ops check_crossfit check_gain check_gain_ddp --repeats 7   # min_gain's cost
     python bench/probe.py --ops check_gain check_gain_projected --repeats 5              # the callback's check
     python bench/probe.py --family gpt --ops check_gain check_gain_projected --repeats 5  # a GPT decoder
@@ -103,10 +102,8 @@ OPS = {
     "probe_decision": op_probe(projected=False, calibrate=False),
     "probe_decision_calibrated": op_probe(projected=False, calibrate=True),
     "probe_projected": op_probe(projected=True, calibrate=False),
-    # the callback's check: cross-fit, relative (+ the existing blocks' terminal gradients on
-    # half A, in the same pass) and the default (cross-fit + min_gain's per-sample losses)
+    # the callback's check: cross-fit, and the default (cross-fit + min_gain's per-sample losses)
     "check_crossfit": op_probe(projected=False, calibrate=True, rule="crossfit"),
-    "check_relative": op_probe(projected=False, calibrate=True, rule="relative"),
     "check_gain": op_check_gain,  # the default (cross-fit + min_gain's losses from the same pass)
     "check_gain_projected": op_check_gain_projected,  # ... with projected=True
     # the cross-fit check with σ̂² (variance=True): every per-sample gradient formed, as before the cost work

@@ -15,7 +15,7 @@ architecture by FlopCounterMode as ComputeMeter does): a deeper network takes fe
   scratch-N-wsd    the scratch frontier: N blocks (N >= 3, spread as the sweep spreads them) from the start
   growto-N         the growth frontier: 3 blocks → N, one copied block at a time on top of stage k mod 3,
                    evenly spaced so the last lands at 40 % of the steps; the same WSD
-  budget[-S][-fF][-cC][-pP]  GrowForBudget from 3 blocks (statistic S, fork F ‰, C checks over P %; else its
+  budget[-S][-fF][-cC][-pP]  the budget schedule from 3 blocks (statistic S, fork F ‰, C checks over P %; else its
                    defaults); it drives WSD itself
                    (its floor is 10 % of the peak rate, not 0)
 
@@ -59,7 +59,7 @@ def arm_spec(arm: str) -> dict:
             raise SystemExit(f"arm: growto-N needs N > 3 (the start depth), got {arm!r}")
         at = [round(0.4 * i / (n - 3), 6) for i in range(1, n - 2)]
         return {"added": 0, "at": at, "blocks": [1] * len(at), "depths": list(range(3, n + 1)), "insertion": "copy"}
-    if arm.startswith("budget"):  # GrowForBudget from 3 blocks: budget[-STATISTIC][-fFORK‰][-cCHECKS][-pPHASE%]
+    if arm.startswith("budget"):  # the budget schedule from 3 blocks: budget[-STATISTIC][-fFORK‰][-cCHECKS][-pPHASE%]
         opts: dict = {}
         for part in arm.split("-")[1:]:
             if part in ("fork", "carried", "steps"):
@@ -92,7 +92,7 @@ def main() -> None:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from growtrain import GrowOnSchedule
+    from growtrain import Budget, BudgetFork, GrowUntilSaturated, Plan
     from growtrain.callbacks import ComputeMeter
     from growtrain.data import ImageDataModule
     from growtrain.module import ImageClassifier
@@ -120,13 +120,16 @@ def main() -> None:
     callbacks = [meter, ModelCheckpoint(dirpath=out / "ckpt", save_last=True)]
     grow = None
     if spec["at"]:
-        grow = GrowOnSchedule(at=spec["at"], blocks=spec["blocks"], site="cyclic", insertion=spec["insertion"],
-                              seed=args.seed)  # fmt: skip
+        grow = GrowUntilSaturated(schedule=Plan(at=spec["at"], blocks=spec["blocks"], site="cyclic"),
+                                  insertion=spec["insertion"], seed=args.seed)  # fmt: skip
         callbacks.append(grow)
     elif "budget" in spec:
-        from growtrain import GrowForBudget
+        import dataclasses
 
-        grow = GrowForBudget(seed=args.seed, **spec["budget"])
+        opts = {"insertion": "copy", **spec["budget"]}  # the insertion these rows were measured with
+        part = lambda cls: {f.name: opts.pop(f.name) for f in dataclasses.fields(cls) if f.name in opts}  # noqa: E731
+        grow = GrowUntilSaturated(schedule=Budget(**part(Budget)), decision=BudgetFork(**part(BudgetFork)),
+                                  seed=args.seed, **opts)  # fmt: skip
         callbacks.append(grow)
     trainer = L.Trainer(max_steps=steps, max_epochs=-1, callbacks=callbacks, accelerator="cpu", devices=1,
                         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -141,8 +144,8 @@ def main() -> None:
            "epochs": steps / per_epoch, "spec": spec, "depth": model.network.depth(),
            "blocks": [len(model.network.stage(s)) for s in model.network.growable_stages],
            "gflop": meter.flops / 1e9, "test_loss": test["test_loss"], "test_acc": test.get("test_acc"),
-           "growth": getattr(grow, "growths", getattr(grow, "history", None)),
-           "budget": ({"spent": grow.spent, "decision_flops": grow.decision_flops, "plan": grow.plan.as_dict(),
+           "growth": grow.history if grow is not None else None,
+           "budget": ({"spent": grow.run.spent, "decision_flops": grow.run.decision_flops, "plan": grow.run.plan.as_dict(),
                       "finished": grow.finished} if "budget" in spec else None), "wall_s_this_process": wall,
            "threads": torch.get_num_threads()}  # fmt: skip
     (out / "row.json").write_text(json.dumps(row, indent=1, default=str))

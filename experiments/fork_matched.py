@@ -6,7 +6,7 @@ forward and backward over the probe per check, as periodic_matched counts them),
 forks cost beside it: each arm's training (3 × forward FLOPs of the arm's architecture per image,
 for every image the run trained on while the fork was open), the cooled copies' (a copy of the run
 and one of the arm, trained over the horizon's last ``cool_steps``) and the scoring (a forward pass
-of both sides over the probe at each scoring point: five in the forks of the tenth session, one
+of both sides over the probe at each scoring point: five in the forks of 2026-12-04 (commit 46e4318), one
 since they are cooled). Each scratch arm (the found architecture,
 d*) is trained with ``growtrain stopping`` and ``max_growths=0`` under the same schedule (the
 constant rate, then the same final anneal), given ``max_epochs = round(F / F_epoch)``.

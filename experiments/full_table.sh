@@ -3,7 +3,7 @@
 #   experiments/full_table.sh SEED [extra overrides, e.g. --compute_matched=false]
 # Needs the sweep's scratch rows added=0..4 of SEED in runs/stopping_full/runs.jsonl, each with its
 # final checkpoint (new rows: final.ckpt; older rows: the newest checkpoints/*.ckpt; seed 0's rows
-# were trained in an earlier session, their networks are ../shared/data/fmnist-full-scratch/:
+# were trained earlier (2026-12-02), their networks are ../shared/data/fmnist-full-scratch/:
 #   for v in 0 1 2 3 4; do mkdir -p runs/stopping_full/scratch_added${v}_seed0/checkpoints &&
 #     cp ../shared/data/fmnist-full-scratch/seed0_blocks$((3+v)).ckpt runs/stopping_full/scratch_added${v}_seed0/checkpoints/; done
 # Every checkpoint is loaded and must reproduce its row's test loss, else the row is refused.)

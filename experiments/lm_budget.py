@@ -13,7 +13,7 @@ FlopCounterMode, as ComputeMeter does): a deeper network takes fewer optimizer s
   grow-*-wsd       an early arm under warmup-stable-decay (its scratch reference: scratch-6-wsd)
   growto-N[-INS][-pPP]  the growth frontier: 2 blocks → N under WSD, one block on top at a time, evenly
                    spaced so the last lands at PP % of the steps (default 40), insertion INS (default copy)
-  budget[-x|-steps][-fF][-cC][-pP][-zero]  GrowForBudget from 2 blocks on scratch-2's steps: C decisions (4)
+  budget[-x|-steps][-fF][-cC][-pP][-zero|-copyzero]  the budget schedule (GrowUntilSaturated(schedule=Budget())) from 2 blocks on scratch-2's steps: C decisions (4)
                    over the first P % (40), each a fork over F ‰ of the budget (20) judged on its equal-FLOP gain;
                    -x: on the gain carried to the budget's end; -steps: the equal-steps gain less the price of
                    fewer steps on the run's curve (statistic="steps"; -eNN: its curve exponent NN/100); -zero: the zero insertion (default copy); it drives WSD itself
@@ -76,7 +76,7 @@ def arm_spec(arm: str) -> dict:
         at = [round(phase * i / (n - 2), 6) for i in range(1, n - 1)]
         return {"start": 2, "at": at, "depths": list(range(2, n + 1)), "schedule": "wsd", "site": "last",
                 "blocks": 1, "insertion": insertion}  # fmt: skip
-    if base.startswith("budget"):  # GrowForBudget: budget[-x|-steps][-fFORK‰][-cCHECKS][-pPHASE%][-zero] from 2 blocks
+    if base.startswith("budget"):  # the budget schedule: budget[-x|-steps][-fFORK‰][-cCHECKS][-pPHASE%][-zero] from 2 blocks
         opts = {"checks": 4, "fork": 0.02, "growth_phase": 0.4, "statistic": "fork", "insertion": "copy"}
         for part in base.split("-")[1:]:
             if part == "x":
@@ -87,6 +87,8 @@ def arm_spec(arm: str) -> dict:
                 opts["exponent"] = int(part[1:]) / 100
             elif part == "zero":
                 opts["insertion"] = "zero"
+            elif part == "copyzero":  # the copy with its terminal map at zero (function-preserving)
+                opts["insertion"] = "copy_zero"
             elif part[0] == "f":
                 opts["fork"] = int(part[1:]) / 1000
             elif part[0] == "c":
@@ -129,7 +131,7 @@ def main() -> None:
     import lightning as L
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-    from growtrain import GrowOnSchedule, GrowUntilSaturated, Periodic
+    from growtrain import Budget, BudgetFork, GrowUntilSaturated, Periodic, Plan
     from growtrain.callbacks import ComputeMeter
     from growtrain.data.text import TextDataModule
     from growtrain.lm import LanguageModel
@@ -174,18 +176,20 @@ def main() -> None:
     curve = Curve(meter)
     callbacks = [meter, curve, ModelCheckpoint(dirpath=out / "ckpt", save_last=True)]
     if spec.get("at"):
-        grow = GrowOnSchedule(at=spec["at"], blocks=spec["blocks"], site=spec["site"], insertion=spec["insertion"],
-                              ramp_steps=max(1, steps // 20), seed=args.seed)  # fmt: skip
+        grow = GrowUntilSaturated(schedule=Plan(at=spec["at"], blocks=spec["blocks"], site=spec["site"],
+                                                ramp_steps=max(1, steps // 20)), insertion=spec["insertion"], seed=args.seed)
         callbacks.append(grow)
     elif spec.get("budget"):
-        from growtrain import GrowForBudget
+        import dataclasses
 
         import growtrain.budget
 
         opts = dict(spec["budget"])
         if "exponent" in opts:  # a stability row: the price's exponent halved or doubled
             growtrain.budget.COST_EXPONENT = opts.pop("exponent")
-        grow = GrowForBudget(seed=args.seed, **opts)
+        part = lambda cls: {f.name: opts.pop(f.name) for f in dataclasses.fields(cls) if f.name in opts}  # noqa: E731
+        grow = GrowUntilSaturated(schedule=Budget(**part(Budget)), decision=BudgetFork(**part(BudgetFork)),
+                                  seed=args.seed, **opts)  # fmt: skip
         callbacks.append(grow)
     elif spec.get("decide"):
         grow = GrowUntilSaturated(schedule=Periodic(every_n_epochs=2), decision="trial",
@@ -207,10 +211,10 @@ def main() -> None:
     row = {"arm": args.arm, "seed": args.seed, "lr": args.lr, "budget_flops": budget, "steps": steps, "spec": spec,
            "depth": model.network.depth(), "flops": meter.flops, "curve": curve.rows, "val_loss": val,
            "test_loss": test, "wall_s_this_process": wall, "threads": torch.get_num_threads(),
-           "budget": ({"spent": grow.spent, "decision_flops": grow.decision_flops, "plan": grow.plan.as_dict(),
-                      "seconds": grow._seconds(), "finished": grow.finished} if spec.get("budget") else None),
-           "growth": grow.growths if isinstance(grow, GrowOnSchedule) else
-           (grow.history if grow is not None else None),
+           "budget": ({"spent": grow.run.spent, "decision_flops": grow.run.decision_flops,
+                       "plan": grow.run.plan.as_dict(), "finished": grow.finished,
+                       "seconds": {"decisions": grow.check_seconds, "fit": grow.fit_seconds}} if spec.get("budget") else None),
+           "growth": grow.history if grow is not None else None,
            "check_seconds": getattr(grow, "check_seconds", None), "fit_seconds": getattr(grow, "fit_seconds", None)}  # fmt: skip
     (out / "row.json").write_text(json.dumps(row, indent=1, default=str))
     print(json.dumps({k: row[k] for k in ("arm", "seed", "steps", "depth", "flops", "val_loss", "test_loss")}))

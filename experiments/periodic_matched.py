@@ -15,7 +15,7 @@ check) and ``F_epoch`` the arm's training FLOPs per epoch (3 × forward FLOPs ×
     python experiments/periodic_matched.py runs/periodic_full/split0 --seeds 0 1 2 --dstar 3 2 2 \\
         --data.init_args.dataset=fashion-mnist --data.init_args.root=/usr/share/datasets/fashion-mnist
 
-Rows go to ``<folder>/matched/<arm>_<blocks>_seed<S>/runs.jsonl`` (the first session's seed-0 and
+Rows go to ``<folder>/matched/<arm>_<blocks>_seed<S>/runs.jsonl`` (the earliest seed-0 and
 seed-1 rows: ``<arm>_<blocks>/``) (resumable: a finished row is skipped, a cut
 training resumes from its last epoch checkpoint); ``<folder>/matched/plan.jsonl`` records each
 arm's budget and epochs.

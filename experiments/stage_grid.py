@@ -1,4 +1,4 @@
-"""The stage fork's grid (docs/results.md, "Thirteenth session"): found depth by constant, the
+"""The stage fork's grid (docs/results.md, "The stage fork's grid", 2026-12-04): found depth by constant, the
 spread of one fork between runs that differ only in their numerics, growth against scratch given
 the same FLOPs (paired by seed), and the figure. Trains nothing.
 

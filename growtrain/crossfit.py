@@ -49,21 +49,6 @@ non-empty ``A`` and ``B``) and issue no other collective in between. ``Distribut
 equal shards with equal batch sizes make every rank reach it at the same batch; unequal shards
 work too (a rank that gets there first waits inside the all-reduce), as the tests check.
 
-Repeated checks (``alpha_schedule``). A training run checks many times. ``α_k`` is the level of
-check ``k = 0, 1, 2, …``:
-
-* ``"geometric"`` (default): ``α_k = α · 2^-(k+1)``, ``Σ_k α_k ≤ α``: a run-level guarantee
-  (probability of any false growth ≤ α) whatever happens after a decision;
-* ``"inverse_square"``: ``α_k = α · 6/(π² (k+1)²)``, also ``Σ_k α_k ≤ α``, but decays
-  polynomially, so late checks keep more power than with ``"geometric"``;
-* ``"constant"``: ``α_k = α``: each check is a level-α test, no run-level guarantee in
-  general. When the run *stops at the first "saturated"* (``on_saturated="stop"``), the checks
-  form a fixed-sequence procedure (test in order, stop at the first non-rejection): a false
-  growth can only start at the first check where the network is saturated, so the chance of
-  any false growth is still ≤ α.
-  Both arguments assume each check's probe sample is independent of the network being tested;
-  a probe set reused across checks leaks the few bits of earlier decisions into the network.
-
 A Chen & Qin (2010)-style test of ``‖g‖ ≤ δ`` needs per-sample inner products (a Gram matrix)
 that a streamed probe pass does not keep; it lives in ``bench/chen_qin.py``, for the power
 comparison of ``bench/power.py``.
@@ -84,20 +69,17 @@ from growtrain.batches import batch_size
 
 __all__ = [
     "BOUNDS",
-    "SCHEMES",
     "check_level",
     "check_delta",
     "normal_quantile",
     "cantelli_factor",
     "crossfit_lower_bound",
     "crossfit_from_samples",
-    "alpha_schedule",
     "probe_size",
     "CrossFitState",
 ]
 
 BOUNDS = ("normal", "cantelli")
-SCHEMES = ("geometric", "inverse_square", "constant")
 
 
 # -- argument checks -------------------------------------------------------------------------
@@ -186,26 +168,6 @@ def crossfit_from_samples(xi: torch.Tensor, level: float, bound: str = "normal")
     return torch.where(norm.squeeze(-1) > 0, lower, torch.full_like(lower, -math.inf))
 
 
-# -- spending α over repeated checks ---------------------------------------------------------
-def alpha_schedule(alpha: float, k: int, scheme: str = "geometric") -> float:
-    """The level of check ``k`` (``k = 0, 1, 2, …``) of a run with overall level ``alpha``.
-
-    ``"geometric"``: ``α·2^-(k+1)``; ``"inverse_square"``: ``α·6/(π²(k+1)²)`` (both sum to
-    ≤ α over all checks); ``"constant"``: ``α`` (see the module docstring for when that is
-    enough).
-    """
-    alpha = check_level(alpha, "alpha")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise ValueError(f"k: expected the check index, an int ≥ 0, got {k!r}")
-    if scheme == "geometric":
-        return alpha * 2.0 ** -(k + 1)
-    if scheme == "inverse_square":
-        return alpha * 6.0 / (math.pi**2 * (k + 1) ** 2)
-    if scheme == "constant":
-        return alpha
-    raise ValueError(f"scheme: expected one of {SCHEMES}, got {scheme!r}")
-
-
 # -- streamed state for measure_saturation ---------------------------------------------------
 def _check_size(n) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 4:
@@ -276,14 +238,12 @@ class CrossFitState:
         *,
         sync_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
         n: int | None = None,
-        bound: str = "normal",
         alpha: float | None = None,
     ) -> "CrossFitState":
-        """State sized from the loader (or the ``n`` hint); checks ``bound`` and ``alpha`` early."""
+        """State sized from the loader (or the ``n`` hint), with the normal bound; checks ``alpha`` early."""
         if alpha is not None:
             check_level(alpha, "alpha")
-        _check_bound(bound)
-        return cls(probe_size(loader, n), K, sync_fn=sync_fn, bound=bound)
+        return cls(probe_size(loader, n), K, sync_fn=sync_fn)
 
     def a_count(self, offset: int, size: int) -> int:
         """How many of the samples ``offset … offset+size−1`` belong to ``A``."""

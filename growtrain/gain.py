@@ -21,8 +21,7 @@ normal quantile, which corrects the skewness term of the one-sided coverage erro
 resumed run compute the same bound from the same losses.
 
 Pairing: ``b`` and ``a`` must be the same samples in the same order (both sides score one probe
-pass's loader, which may not shuffle). :func:`sample_signatures` fingerprints each probe sample's
-content (inputs and targets, including their layout).
+pass's loader, which may not shuffle).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["GAIN_METHODS", "gain_terms", "gain_lower_bound", "gain_test", "sample_signatures"]
+__all__ = ["GAIN_METHODS", "gain_terms", "gain_lower_bound", "gain_test"]
 
 GainMethod = Literal["bootstrap_t", "normal"]
 # "normal" is the plain CLT bound, kept as the reference the level study measures against.
@@ -113,34 +112,3 @@ def gain_test(before: torch.Tensor, after: torch.Tensor, *, min_gain: float, lev
         "lower": lower_e + margin, "margin": margin, "n": n, "loss_before": loss_before,
         "loss_now": float(after.double().mean()), "method": method, "level": float(level),
     }  # fmt: skip
-
-
-# -- pairing by identity ----------------------------------------------------------------------
-def _leaves(batch: Any) -> list[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, dict):
-        return [t for k in sorted(batch, key=str) for t in _leaves(batch[k])]
-    if isinstance(batch, (list, tuple)):
-        return [t for item in batch for t in _leaves(item)]
-    return []
-
-
-def sample_signatures(batch: Any) -> torch.Tensor:
-    """One float64 fingerprint per sample of ``batch`` (shape ``(n,)``), from every tensor in it
-    whose first dimension is the batch's: inputs and targets alike.
-
-    Each tensor contributes ``Σ_j v_ij · w_j`` with fixed, position-dependent weights ``w``, so
-    another sample, a changed label or a permuted layout changes the fingerprint; summed over
-    tensors with distinct weights per tensor. Computed and returned on the batch's device."""
-    leaves = [t for t in _leaves(batch) if t.dim() >= 1]
-    if not leaves:
-        raise ValueError(f"probe: cannot fingerprint a batch of type {type(batch).__name__} (no tensors in it)")
-    n = leaves[0].shape[0]
-    out = torch.zeros(n, dtype=torch.float64, device=leaves[0].device)
-    for k, leaf in enumerate(t for t in leaves if t.shape[0] == n):
-        flat = leaf.detach().reshape(n, -1).double()
-        j = torch.arange(flat.shape[1], dtype=torch.float64, device=flat.device)
-        weights = 1.0 + 0.5 * torch.cos(0.7 * j + 1.3 * (k + 1))  # in [0.5, 1.5]: no cancellation to 0
-        out += flat @ weights
-    return out

@@ -378,7 +378,7 @@ class GrowableMixin:
 def _growth_records(state: Any) -> list[dict]:
     """The records of a growable network's extra state, checked: the JSON of ``{"growth": [...]}`` as
     its UTF-8 bytes in a 1-D uint8 tensor (``get_extra_state``), or as a string (what an FSDP2-sharded
-    network writes, and what checkpoints held before the tensor form)."""
+    network writes)."""
     text = None
     if isinstance(state, str):
         text = state

@@ -12,13 +12,16 @@ the growth paths check the output did not change). What happens next is the inse
   is removed and the block trains like a fresh one (no zero terminal map to grow out of).
 * ``"copy"`` (G_stack, arXiv 2405.15319): the block takes the weights of its neighbour below
   (above at the first position). The network's output changes at insertion.
+* ``"copy_zero"``: the copy's weights with the terminal map zeroed again: the function unchanged,
+  the block's features the neighbour's.
 * ``"copy_ramp"``: the copy's weights behind the mask ramp: unchanged at ``m = 0``, then the
   neighbour's copy mixed in over ``ramp_steps``.
 
-Whether an insertion left the output unchanged is measured where it happens (``GrowOnSchedule``
-records it per growth), never assumed from the kind. ``GrowUntilSaturated`` inserts only zero
-blocks (its checks score blocks against the unchanged function; a fit with both callbacks is
-refused at setup).
+Whether an insertion left the output unchanged is measured where it happens (every growth record
+says so), never assumed from the kind. Which kinds a schedule takes: the converged and periodic
+checks insert zero blocks only (they score blocks against the unchanged function); a budget's
+fork starts its arm's blocks as ``copy_zero`` (the default), ``copy`` or ``zero``; a plan takes
+every kind.
 
 The mask is state of the network: a 0-d buffer ``growtrain_mask`` on the block (in the network's
 dtype, on its device) that a forward hook reads, so a checkpoint written mid-ramp holds it and
@@ -40,12 +43,14 @@ from torch import nn
 from growtrain.growable import terminal_parameters
 from growtrain.masks import MASK_KEY, attach_mask, detach_mask, load_masks, mask_value, set_mask
 
-__all__ = ["INSERTIONS", "MASK_KEY", "RAMPED", "Insertion", "MaskRamp", "attach_mask", "check_insertion",
+__all__ = ["COPIED", "INSERTIONS", "MASK_KEY", "RAMPED", "Insertion", "MaskRamp", "attach_mask", "check_insertion",
            "copy_neighbour", "detach_mask", "draw_terminal", "load_masks", "mask_value", "neighbour_block",
-           "set_mask"]  # fmt: skip
+           "set_mask", "start_block"]  # fmt: skip
 
-Insertion = Literal["zero", "mask_ramp", "copy", "copy_ramp"]
-INSERTIONS: tuple[str, ...] = ("zero", "mask_ramp", "copy", "copy_ramp")
+Insertion = Literal["zero", "copy_zero", "mask_ramp", "copy", "copy_ramp"]
+INSERTIONS: tuple[str, ...] = ("zero", "copy_zero", "mask_ramp", "copy", "copy_ramp")
+# the kinds that copy the neighbour's weights (a stage's first added block has none to copy: it stays zero)
+COPIED: tuple[str, ...] = ("copy", "copy_zero", "copy_ramp")
 RAMPED: tuple[str, ...] = ("mask_ramp", "copy_ramp")  # the kinds behind a mask
 _FALLBACK_STD = 0.02  # GPT-2's init std, for a terminal tensor whose neighbours are all still zero
 
@@ -53,7 +58,8 @@ _FALLBACK_STD = 0.02  # GPT-2's init std, for a terminal tensor whose neighbours
 def check_insertion(kind: Any, name: str = "insertion") -> str:
     if kind not in INSERTIONS:
         raise ValueError(f"{name}: expected one of {INSERTIONS}, got {kind!r}. 'zero' is the paper's function-"
-                         "preserving insertion; 'mask_ramp' (MSG), 'copy' (G_stack) and 'copy_ramp' (a copy behind "
+                         "preserving insertion; 'copy_zero' (the neighbour's weights, the terminal map at zero: function-preserving), "
+                         "'mask_ramp' (MSG), 'copy' (G_stack) and 'copy_ramp' (a copy behind "
                          "MSG's mask) are the alternatives.")  # fmt: skip
     return kind
 
@@ -189,3 +195,23 @@ class MaskRamp:
 
     def __len__(self) -> int:
         return len(self._masks)
+
+
+@torch.no_grad()
+def start_block(network: nn.Module, block: nn.Module, kind: str, generator: torch.Generator | None = None) -> bool:
+    """Start a freshly inserted zero-output ``block`` as ``kind`` says (the one place every growth
+    path does it): ``"zero"`` leaves it; ``"copy"``/``"copy_ramp"`` copy the neighbour's tensors;
+    ``"copy_zero"`` copies them and zeroes the terminal map again (the copy's features, the
+    function unchanged); ``"mask_ramp"`` draws a fresh terminal map. A ramped kind's mask is the
+    caller's (``MaskRamp``). Returns ``False`` when a copied kind had no neighbour to copy (the
+    block stays at zero)."""
+    if kind in COPIED:
+        if neighbour_block(network, block) is None:
+            return False
+        copy_neighbour(network, block)
+        if kind == "copy_zero":
+            for p in _terminal(network, block):
+                p.zero_()
+    elif kind == "mask_ramp":
+        draw_terminal(network, block, generator)
+    return True

@@ -1,31 +1,27 @@
 """The joint probe pass: one forward and one backward per probe batch score every site.
 
 Per site it streams float64 sums of the ghost's cross-gradients ``ξ_i = J_iᵀ q_i`` (see
-``growtrain.saturation`` for what they mean); the cross-fit state, the relative rule's
-reference and the per-sample losses ride on the same pass. No Lightning import here.
+``growtrain.saturation`` for what they mean); the cross-fit state and the per-sample losses
+ride on the same pass. No Lightning import here.
 """
 
 from __future__ import annotations
 
-import math
 import threading
-from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
-from growtrain import decision as dec
 from growtrain import probe_math as pm
 from growtrain.batches import batch_size as _batch_size
 from growtrain.batches import sample_loss_terms
-from growtrain.batches import slice_batch as _slice
 from growtrain.batches import to_device as _to_device
 from growtrain.families.base import ChannelAffineFeatures, DenseFeatures
 from growtrain.ghosts import autocast as _autocast
 from growtrain.ghosts import batch_norms, batch_statistics, sync_batch_norms
 from growtrain.ghosts import site_hooks as _site_hooks
 from growtrain.ghosts import split_batch as _split_batch
-from growtrain.growable import Site, terminal_parameters
+from growtrain.growable import terminal_parameters
 
 # The probe's loss scale under float16 autocast (a power of two: dividing back is exact). Activation
 # gradients of a batch-mean loss are small (about 1/B each) and underflow float16 below 6e-8; 2^10 lifts
@@ -49,7 +45,7 @@ class SiteAccumulator:
     cheaper than any alternative.
 
     ``calibrating``: the ghost's BatchNorm statistics are set during this pass (the cross-fit
-    rules' folded calibration, ``growtrain.ghosts``): on half A the ghost runs in train mode
+    rule's folded calibration, ``growtrain.ghosts``): on half A the ghost runs in train mode
     (batch statistics, accumulated into its running statistics), from the A/B boundary on in
     eval mode with the statistics of A.
     """
@@ -80,7 +76,7 @@ class SiteAccumulator:
         and its features use the batch statistics; any other block runs once in train mode
         first, and its features use the statistics accumulated so far.
         """
-        # A part of one sample (a batch cut at the A/B boundary, or the relative rule's pieces)
+        # A part of one sample (a batch cut at the A/B boundary)
         # has no batch statistics to give where a BatchNorm sees one value per channel: it is
         # scored with the statistics so far and adds none.
         if not (train and self.bns) or z.shape[0] < 2:
@@ -352,7 +348,7 @@ def _generic_per_sample(block: nn.Module, z: torch.Tensor, q: torch.Tensor, with
     return xi, jac
 
 
-def probe_pass(network, sites, candidates, loader, loss_fn, device, projected, autocast_dtype, crossfit, reference,
+def probe_pass(network, sites, candidates, loader, loss_fn, device, projected, autocast_dtype, crossfit,
                sample_losses=None, variance=True, calibrating=False, sync_fn=None):  # fmt: skip
     """Stream the probe batches; per batch one forward and one backward score every site.
 
@@ -361,7 +357,7 @@ def probe_pass(network, sites, candidates, loader, loss_fn, device, projected, a
     the moment ``q`` arrives, and dropped after the site's sums are updated — so no site's
     features wait in memory for the whole backward pass.
 
-    ``calibrating`` (cross-fit rules only): the ghosts' BatchNorm statistics are set on half A
+    ``calibrating`` (the cross-fit rule only): the ghosts' BatchNorm statistics are set on half A
     in this pass (``SiteAccumulator``), not in a pass of their own.
     """
     accs = [SiteAccumulator(candidates[s.name], projected, variance, calibrating) for s in sites]
@@ -402,14 +398,9 @@ def probe_pass(network, sites, candidates, loader, loss_fn, device, projected, a
         return replaced
 
     n = batches = 0
-    if reference is not None:  # half A in independent pieces (for the reference), cut at the A/B boundary
-        loader = _pieces(map(_split_batch, loader), crossfit.n_a, reference.MIN_PIECES)
     with _site_hooks(network, sites, capture):
         for b, (x, y) in enumerate(map(_split_batch, loader)):
             x, y = _to_device(x, device), _to_device(y, device)
-            in_a = reference is not None and n < crossfit.n_a  # pieces never straddle A and B
-            if in_a:
-                reference.track(True)
             with _autocast(device, autocast_dtype):
                 out = network(x)
                 loss = loss_fn(out, y)
@@ -421,13 +412,7 @@ def probe_pass(network, sites, candidates, loader, loss_fn, device, projected, a
                 raise FloatingPointError(f"probe batch {b}: the loss is {loss.item()}; no decision was made")
             batch.update(index=b, size=_batch_size(y), offset=n)
             scored[:] = [False] * len(sites)
-            if in_a:
-                grads = torch.autograd.grad(loss * scale, activations + reference.params, allow_unused=True)
-                reference.update([g if g is None or scale == 1.0 else g / scale for g in grads[len(activations):]],
-                                 batch["size"])  # fmt: skip
-                reference.track(False)
-            else:
-                torch.autograd.grad(loss * scale, activations, allow_unused=True)  # the hooks do the scoring
+            torch.autograd.grad(loss * scale, activations, allow_unused=True)  # the hooks do the scoring
             for j in range(len(sites)):
                 if not scored[j]:  # the loss does not depend on this site: its gradient is zero
                     score(j, activations[j], torch.zeros_like(activations[j]))
@@ -439,9 +424,7 @@ def probe_pass(network, sites, candidates, loader, loss_fn, device, projected, a
     return accs, n, batches
 
 
-def all_reduce(accs, n, batches, sync_fn, device, reference=None):
-    if reference is not None:
-        reference.all_reduce(sync_fn, device)
+def all_reduce(accs, n, batches, sync_fn, device):
     tensors = [t for a in accs for t in a.tensors()]
     counts = torch.tensor([n, batches], dtype=torch.float64, device=device)
     flat = torch.cat([torch.as_tensor(t, dtype=torch.float64, device=device).flatten() for t in tensors] + [counts])
@@ -454,84 +437,3 @@ def all_reduce(accs, n, batches, sync_fn, device, reference=None):
             start += t.numel()
         a.load(new)
     return int(flat[start].item()), int(flat[start + 1].item())
-
-
-# -- the relative rule's reference: existing blocks' terminal-map gradients on half A ----------
-class ReferenceAccumulator:
-    """Streamed sums for ``decision.debiased_reference`` over the existing blocks of ``network``.
-
-    During half ``A`` of the probe the existing blocks' terminal parameters require grad, so the
-    same backward that scores the ghosts also yields each block's gradient of the piece's loss
-    (``S_{b,k}`` = piece size × the gradient of the mean loss). Only sums are kept, so ranks
-    all-reduce them like the site sums. Half ``B`` runs with every parameter frozen, as before.
-    """
-
-    MIN_PIECES = 4  # half A is cut into at least this many independent pieces
-
-    def __init__(self, network: nn.Module, sites: list[Site]):
-        stages = list(dict.fromkeys(s.stage for s in sites))
-        blocks = [b for name in stages for b in network.stage(name) if hasattr(b, "terminal_parameters")]
-        if not blocks:
-            raise ValueError(
-                "rule: 'relative' compares a new block with the network's existing blocks, but no block in the "
-                f"growable stages {stages} has terminal_parameters(). Fix: give your blocks terminal_parameters() "
-                "(growtrain.GrowableStack does), or pass rule='crossfit' with an absolute delta."
-            )
-        self.blocks = [list(terminal_parameters(b)) for b in blocks]
-        self.params = [p for ps in self.blocks for p in ps]
-        self.sum_grad: list[torch.Tensor | None] = [None] * len(blocks)  # Σ_k S_{b,k} (float64, flat)
-        self.sum_sq: list[torch.Tensor | float] = [0.0] * len(blocks)  # Σ_k ‖S_{b,k}‖²
-        self.n = 0  # Σ_k n_k
-        self.sum_n_sq = 0  # Σ_k n_k²
-        self.pieces = 0
-
-    def track(self, on: bool) -> None:
-        for p in self.params:
-            p.requires_grad_(on)
-
-    def update(self, grads: Sequence[torch.Tensor | None], size: int) -> None:
-        it = iter(zip(self.params, grads))
-        for b, ps in enumerate(self.blocks):
-            flat = []
-            for p, g in (next(it) for _ in ps):  # a parameter the loss does not reach has gradient 0
-                flat.append((torch.zeros_like(p) if g is None else g).detach().flatten().double())
-            piece = torch.cat(flat) * size  # (p_b,)
-            self.sum_grad[b] = piece if self.sum_grad[b] is None else self.sum_grad[b] + piece
-            self.sum_sq[b] = self.sum_sq[b] + piece.pow(2).sum()
-        self.n += size
-        self.sum_n_sq += size * size
-        self.pieces += 1
-
-    def all_reduce(self, sync_fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> None:
-        sizes = [g.numel() for g in self.sum_grad]
-        counts = torch.tensor([self.n, self.sum_n_sq, self.pieces], dtype=torch.float64, device=device)
-        sq = torch.stack([torch.as_tensor(q, dtype=torch.float64, device=device) for q in self.sum_sq])
-        flat = sync_fn(torch.cat([g.to(device) for g in self.sum_grad] + [sq, counts]))
-        parts = list(flat.split(sizes + [len(sizes), 3]))
-        self.sum_grad = parts[: len(sizes)]
-        self.sum_sq = list(parts[len(sizes)])
-        self.n, self.sum_n_sq, self.pieces = (int(v) for v in parts[-1].tolist())
-
-    def value(self) -> tuple[float, list[float]]:
-        if self.pieces < 2 or any(g is None for g in self.sum_grad):
-            raise ValueError(
-                f"probe_loader: rule='relative' needs half A of the probe in at least 2 pieces; got {self.pieces}. "
-                "Fix: use a probe of at least 8 samples."
-            )
-        return dec.debiased_reference(self.sum_grad, [float(q) for q in self.sum_sq], self.n, self.sum_n_sq)
-
-
-def _pieces(batches: Iterable, n_a: int, min_pieces: int):
-    """Re-cut ``(input, target)`` batches so that half A (the first ``n_a`` samples) comes in
-    pieces of at most ``⌈n_a/min_pieces⌉`` samples and no piece straddles A and B. In eval mode
-    samples are independent, so cutting changes no per-sample quantity (only ``ag_batch``, the
-    per-batch Eq. 2 figure, sees smaller batches in A)."""
-    piece = max(1, math.ceil(n_a / min_pieces))
-    seen = 0
-    for x, y in batches:
-        size, start = _batch_size(y), 0
-        while start < size:
-            stop = min(size, start + piece, start + n_a - seen) if seen < n_a else size
-            yield _slice(x, start, stop), _slice(y, start, stop)
-            seen += stop - start
-            start = stop

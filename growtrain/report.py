@@ -16,7 +16,6 @@ def _fmt(value, digits: int = 4) -> str:
 _FIRST_ORDER_STOP = {
     "paper": "Γ̂ ≤ δ+t: rules out Γ ≥ δ+2t only",
     "crossfit": "no site's lower bound above δ",
-    "relative": "no site's lower bound above max(δ, τ·R)",
 }
 
 

@@ -35,12 +35,10 @@ from torch import nn
 from growtrain import decision as dec
 from growtrain.ghosts import calibrate_candidates, candidate_blocks, cumulative_statistics, frozen, restore_modes, save_modes
 from growtrain.growable import terminal_parameters
-from growtrain.probe_pass import ReferenceAccumulator, all_reduce, probe_pass
+from growtrain.probe_pass import all_reduce, probe_pass
 from growtrain.saturation_report import SaturationReport, SiteRecord, build_report
 
 __all__ = ["measure_saturation", "SaturationReport", "SiteRecord", "candidate_blocks", "calibrate_candidates"]
-
-RULES = dec.RULES
 
 
 # -- arguments ---------------------------------------------------------------------------------
@@ -59,8 +57,8 @@ def _check_arguments(network, delta, alpha, t, rule):
             raise ValueError(f"alpha: expected a target error probability in (0, 1), e.g. 0.05, got {alpha!r}")
     elif not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
         raise ValueError(f"t: expected a finite number > 0 (or None to derive it from alpha), got {t!r}")
-    if rule not in RULES:
-        raise ValueError(f"rule: expected one of {RULES}, got {rule!r}. Fix: pass rule={dec.DEFAULT_RULE!r}")
+    if rule not in dec.RULES:
+        raise ValueError(f"rule: expected one of {dec.RULES}, got {rule!r}. Fix: pass rule={dec.DEFAULT_RULE!r}")
 
 
 def _check_one_device(network: nn.Module) -> None:
@@ -87,14 +85,11 @@ def measure_saturation(
     t: float | None = None,
     projected: bool = True,
     rule: str = "paper",
-    tau: float = dec.DEFAULT_TAU,
     candidates: Mapping[str, nn.Module] | None = None,
     seed: int | None = 0,
     calibrate: bool = True,
     autocast_dtype: torch.dtype | None = None,
     sync_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    select: str = "grad_norm",
-    crossfit_bound: str = "normal",
     probe_size: int | None = None,
     sample_losses: list | None = None,
     variance: bool | None = None,
@@ -109,25 +104,19 @@ def measure_saturation(
         alpha: target error probability; ``t = sqrt(Σσ̂²/(nα))`` unless ``t`` is given.
         t: the separation ``t > 0`` of Proposition 1 (overrides ``alpha``).
         projected: also compute ``V_S`` (costs Gram matrices; the decision does not need it).
-        rule: ``"paper"`` (Proposition 1), ``"crossfit"`` (cross-fit lower bound > δ, see
-            ``growtrain.crossfit``) or ``"relative"`` (lower bound > max(δ, τ·R), ``R`` the existing
-            blocks' RMS gradient norm; see ``growtrain.decision``). The default stays the paper's
-            rule here, the function that measures the paper's quantities; the decision entry points
-            (``GrowUntilSaturated``, ``growtrain measure``) default to ``"crossfit"``. Every rule
-            this pass can compute is reported in ``report.verdicts``.
-        tau: ``rule="relative"`` only: the relative threshold ``τ > 0``.
+        rule: ``"paper"`` (Proposition 1) or ``"crossfit"`` (cross-fit lower bound > δ, see
+            ``growtrain.crossfit``). The default stays the paper's rule here, the function that
+            measures the paper's quantities; the decision entry points (``GrowUntilSaturated``,
+            ``growtrain measure``) default to ``"crossfit"``. Every rule this pass can compute is
+            reported in ``report.verdicts``.
         candidates: site name → candidate block (``V = 0``); fresh ones from ``seed`` if None.
         calibrate: set the candidates' BatchNorm statistics on the probe inputs: under the
-            paper's rule in a forward pass over the whole probe first; under the cross-fit rules
+            paper's rule in a forward pass over the whole probe first; under the cross-fit rule
             on half A *within* the probe pass (no pass of its own: on A a ghost's features use
             batch statistics, which it accumulates; B is scored with A's statistics, so given A
             the scored ghost and ``u`` are fixed and B is fresh data, as the bound needs).
         autocast_dtype: e.g. ``torch.bfloat16`` to run the network under autocast.
         sync_fn: sums a tensor over ranks (DDP); every rank then reaches the same decision.
-        select: rank sites by ``"grad_norm"`` (the paper's Γ̂) or ``"projected"`` (paper rule;
-            the cross-fit rule picks the site with the largest lower bound).
-        crossfit_bound: ``rule="crossfit"`` only: ``"normal"`` (CLT) or ``"cantelli"``
-            (distribution-free up to the variance estimate) lower bound.
         probe_size: ``rule="crossfit"`` only: the number of probe samples on this rank, for a
             loader without a sized sampler or dataset (the split needs it before the pass).
         sample_losses: a list that receives, per probe batch in loader order, each sample's term
@@ -142,12 +131,6 @@ def measure_saturation(
     """
     _check_arguments(network, delta, alpha, t, rule)
     _check_one_device(network)
-    if rule == "relative":
-        tau = dec.check_tau(tau)
-    if select not in ("grad_norm", "projected"):
-        raise ValueError(f"select: expected 'grad_norm' or 'projected', got {select!r}")
-    if select == "projected" and not projected:
-        raise ValueError("select: 'projected' ranking needs projected=True")
     sites = network.sites()
     if candidates is None:
         candidates = candidate_blocks(network, seed)
@@ -165,33 +148,30 @@ def measure_saturation(
     elif rule == "paper" and not variance:
         raise ValueError("variance: the paper's rule decides by σ̂² (its t); pass variance=True or rule='crossfit'")
     crossfit = None
-    if rule in ("crossfit", "relative"):
+    if rule == "crossfit":
         from growtrain.crossfit import CrossFitState
 
-        crossfit = CrossFitState.for_loader(
-            probe_loader, len(sites), sync_fn=sync_fn, n=probe_size, bound=crossfit_bound, alpha=alpha
-        )
+        crossfit = CrossFitState.for_loader(probe_loader, len(sites), sync_fn=sync_fn, n=probe_size, alpha=alpha)
 
     device = network.neighbour_tensor(sites[0]).device
     modes = save_modes(network)
     with torch.inference_mode(False), torch.enable_grad():
-        # cross-fit rules: calibrate on half A only (B stays fresh data given A), folded into the pass
+        # the cross-fit rule: calibrate on half A only (B stays fresh data given A), folded into the pass
         fold = calibrate and crossfit is not None
         if calibrate and not fold:
             calibrate_candidates(network, candidates, probe_loader, autocast_dtype=autocast_dtype, sync_fn=sync_fn)
         network.eval()
         try:
             with frozen(network), cumulative_statistics([candidates[s.name] for s in sites] if fold else []):
-                reference = ReferenceAccumulator(network, sites) if rule == "relative" else None
                 accs, n, batches = probe_pass(
                     network, sites, candidates, probe_loader, loss_fn, device, projected, autocast_dtype, crossfit,
-                    reference, sample_losses, variance, fold, sync_fn,
+                    sample_losses, variance, fold, sync_fn,
                 )
         finally:
             restore_modes(modes)
 
     if sync_fn is not None:
-        n, batches = all_reduce(accs, n, batches, sync_fn, device, reference)
+        n, batches = all_reduce(accs, n, batches, sync_fn, device)
     if n < 2:
         raise ValueError(f"probe_loader: the probe sample has {n} sample(s); at least 2 are needed for σ̂²")
-    return build_report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfit, reference, tau, variance)
+    return build_report(sites, accs, n, batches, delta, alpha, t, rule, crossfit, variance)

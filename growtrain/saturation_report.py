@@ -72,20 +72,8 @@ class SaturationReport:
     rule: str = "paper"  # the rule that made ``saturated``/``best_site``/``reason``
     reason: str = ""
     extra: dict = field(default_factory=dict)  # rule-specific figures (e.g. crossfit levels)
-    margin: float = math.nan  # what the deciding rule's statistic had to exceed (δ+t, δ or max(δ, τ·R))
-    reference: float | None = None  # rule="relative": R, the existing blocks' RMS gradient norm
-    tau: float | None = None  # rule="relative": the relative threshold τ
+    margin: float = math.nan  # what the deciding rule's statistic had to exceed (δ+t or δ)
     verdicts: dict = field(default_factory=dict)  # every rule's verdict this pass could compute
-
-    @property
-    def ratio(self) -> float | None:
-        """The best certified lower bound in units of ``R`` (rule="relative"); grow iff > τ."""
-        if self.reference is None:
-            return None
-        best = max((r.lower for r in self.sites if r.lower is not None), default=None)
-        if best is None:
-            return None
-        return best / self.reference if self.reference > 0 else math.inf
 
     @property
     def ag_max(self) -> float:
@@ -95,7 +83,7 @@ class SaturationReport:
     def best_record(self) -> SiteRecord:
         """The top-scoring site's record (also when saturated): largest lower bound under the
         cross-fit rule, largest ‖ĝ‖ under the paper's."""
-        if self.rule in ("crossfit", "relative"):
+        if self.rule == "crossfit":
             return max(self.sites, key=lambda r: r.lower)
         return max(self.sites, key=lambda r: r.grad_norm)
 
@@ -121,9 +109,6 @@ class SaturationReport:
             "ag_max": self.ag_max,
             "reason": self.reason,
             "margin": self.margin,
-            "reference": self.reference,
-            "tau": self.tau,
-            "ratio": self.ratio,
             "verdicts": {k: v.to_dict() for k, v in self.verdicts.items()},
             **{k: v for k, v in self.extra.items()},
             "sites": [r.to_dict() for r in self.sites],
@@ -138,8 +123,7 @@ class SaturationReport:
         return self.table()
 
 
-def build_report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfit, reference, tau,
-                 variance=True) -> SaturationReport:  # fmt: skip
+def build_report(sites, accs, n, batches, delta, alpha, t, rule, crossfit, variance=True) -> SaturationReport:
     """Per-site records, every verdict this pass can compute, and the one ``rule`` makes.
 
     Without ``variance`` the pass kept no ``Σ‖ξ_i‖²``: σ̂², the paper's ``t`` (unless given),
@@ -165,10 +149,9 @@ def build_report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfi
     total_variance = sum(r.variance for r in records) if variance else None
     if t is None:
         t = pm.chebyshev_t(total_variance, n, alpha) if variance else None
-    key = (lambda r: r.projected) if select == "projected" else (lambda r: r.grad_norm)
-    verdicts = {"paper": dec.paper_verdict(gamma, max(records, key=key).name, delta, t)} if variance else {}
+    best_norm = max(records, key=lambda r: r.grad_norm).name
+    verdicts = {"paper": dec.paper_verdict(gamma, best_norm, delta, t)} if variance else {}
     extra: dict = {}
-    ref_value = None
     if crossfit is not None:
         lowers, info = crossfit.lower_bounds(alpha)
         if info["n_a"] + info["n_b"] != n:
@@ -184,10 +167,6 @@ def build_report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfi
         }  # fmt: skip
         if "paper" in verdicts:
             extra["paper_decision"] = "saturated" if verdicts["paper"].saturated else "grow"
-        if reference is not None:
-            ref_value, per_block = reference.value()
-            verdicts["relative"] = dec.relative_verdict(lowers, names, ref_value, tau, delta, info["level"])
-            extra.update(reference_blocks=len(per_block), reference_pieces=reference.pieces)
         split = f" ({info['bound_kind']} bound, level α/K={info['level']:.3g}, |A|={info['n_a']}, |B|={info['n_b']})"
     chosen = verdicts[rule]
     reason = chosen.reason if rule == "paper" else chosen.reason + split
@@ -206,8 +185,6 @@ def build_report(sites, accs, n, batches, delta, alpha, t, rule, select, crossfi
         reason=reason,
         extra=extra,
         margin=chosen.margin,
-        reference=ref_value,
-        tau=tau if rule == "relative" else None,
         verdicts=verdicts,
     )
 
@@ -217,14 +194,14 @@ def rank_sites(report: SaturationReport, top_k: int) -> list[str]:
     """Up to ``top_k`` distinct sites to grow, best first (empty when saturated).
 
     The first is the report's ``best_site``. Further sites need the same evidence: with the
-    cross-fit and relative rules only sites whose certified ``lower`` exceeds the rule's margin
+    cross-fit rule only sites whose certified ``lower`` exceeds the rule's margin
     (ranked by ``lower``); with the paper's rule the next sites by ``‖ĝ‖`` (Proposition 1
     certifies the maximum only, so ``top_k > 1`` is a heuristic there).
     """
     if report.saturated or report.best_site is None:
         return []
     out = [report.best_site]
-    if report.rule in ("crossfit", "relative"):
+    if report.rule == "crossfit":
         margin = getattr(report, "margin", report.delta)
         rest = [r for r in report.sites if r.lower is not None and r.lower > margin]
         rest.sort(key=lambda r: -r.lower)

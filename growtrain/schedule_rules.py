@@ -7,7 +7,7 @@ which budget ends growth, and what a verdict turns into.
 
 * ``should_check`` — whether this train-epoch end runs a check (the schedule);
 * ``plateau_update`` — EarlyStopping-style plateau tracking (the converged schedule's trigger);
-* ``budget_reason`` — the budget (``max_growths``, ``max_params``) that forbids further growth;
+* ``budget_reason`` — the budget (``max_growths``) that forbids further growth;
 * ``decide_growth`` — a verdict and the budgets turned into an action: grow, saturated or budget;
 
 The verdicts themselves come from ``growtrain.decision`` and the deciders. No Lightning import here.
@@ -78,47 +78,22 @@ def plateau_update(
     return best, wait, wait >= patience
 
 
-def budget_reason(
-    *,
-    growths: int,
-    max_growths: int | None,
-    params: int,
-    max_params: int | None,
-) -> str | None:
+def budget_reason(*, growths: int, max_growths: int | None) -> str | None:
     """The budget that forbids any further growth, or ``None`` when growth is still allowed."""
     if max_growths is not None and growths >= max_growths:
         return f"max_growths={max_growths} reached ({growths} growth step(s) done)"
-    if max_params is not None and params >= max_params:
-        return f"max_params={max_params} reached ({params} parameters)"
     return None
 
 
-def decide_growth(
-    *,
-    saturated: bool,
-    ranked: Sequence[str],
-    block_params: dict[str, int],
-    growths: int,
-    max_growths: int | None,
-    params: int,
-    max_params: int | None,
-    reason: str = "",
-) -> tuple[str, str, list[str]]:
+def decide_growth(*, saturated: bool, ranked: Sequence[str], growths: int, max_growths: int | None,
+                  reason: str = "") -> tuple[str, str, list[str]]:  # fmt: skip
     """The action after a probe: ``("grow", why, sites)``, ``("saturated", why, [])`` or
-    ``("budget", why, [])``. Sites are taken in rank order while the budgets allow."""
+    ``("budget", why, [])``: every ranked site grows while ``max_growths`` allows."""
     if saturated or not ranked:
         return "saturated", reason or "no site certifies first-order gain", []
-    blocked = budget_reason(growths=growths, max_growths=max_growths, params=params, max_params=max_params)
+    blocked = budget_reason(growths=growths, max_growths=max_growths)
     if blocked is not None:
         return "budget", blocked, []
-    chosen: list[str] = []
-    total = params
-    for name in ranked:
-        if max_params is not None and total + block_params.get(name, 0) > max_params:
-            continue
-        chosen.append(name)
-        total += block_params.get(name, 0)
-    if not chosen:
-        return "budget", f"max_params={max_params}: no candidate block fits ({params} parameters now)", []
+    chosen = list(ranked)
     why = reason or "a site certifies first-order gain"
     return "grow", f"{why}; grow at {', '.join(chosen)}", chosen

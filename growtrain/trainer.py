@@ -27,7 +27,6 @@ from typing import Any, Callable, Literal, Optional, Sequence, Union
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import SaveConfigCallback
 
-from growtrain.decision import DEFAULT_TAU
 from growtrain.experiments import run_compare, run_match, run_measure, run_stopping, run_sweep
 from growtrain.experiments._training import BaseGrowTrainer
 from growtrain.experiments.measure import check_split
@@ -240,8 +239,7 @@ class GrowTrainer(BaseGrowTrainer):
         delta: float = 0.0,
         alpha: float = 0.05,
         t: Optional[float] = None,
-        rule: Optional[Literal["paper", "crossfit", "relative"]] = None,
-        tau: float = DEFAULT_TAU,
+        rule: Optional[Literal["paper", "crossfit"]] = None,
         projected: bool = True,
         seed: int = 0,
         output_dir: Optional[str] = None,
@@ -254,11 +252,10 @@ class GrowTrainer(BaseGrowTrainer):
             delta: practical-saturation margin δ ≥ 0 (units of the loss gradient norm).
             alpha: target error probability; sets t = sqrt(Σσ̂²/(nα)) unless ``t`` is given.
             t: the separation t > 0 of the paper's Proposition 1 (overrides ``alpha``).
-            rule: ``paper`` (Γ̂ ≤ δ+t), ``crossfit`` (certified directional lower bound > δ) or
-                ``relative`` (that bound > max(δ, τ·R)). ``None``: the decision entry points' default,
-                as in ``GrowUntilSaturated``: ``crossfit``, or ``paper`` when ``t`` is given (``t``
-                is that rule's threshold). Every rule the pass can compute is in the report.
-            tau: ``relative`` only: the relative threshold τ > 0.
+            rule: ``paper`` (Γ̂ ≤ δ+t) or ``crossfit`` (certified directional lower bound > δ).
+                ``None``: the decision entry points' default, as in ``GrowUntilSaturated``:
+                ``crossfit``, or ``paper`` when ``t`` is given (``t`` is that rule's threshold).
+                Every rule the pass can compute is in the report.
             projected: also compute V_S (Gram matrices) and the realisability ratio V_S/AG. On
                 by default here, unlike the decision paths (the callback, ``sweep``): a report of
                 V_S is what ``measure`` is for.
@@ -288,7 +285,7 @@ class GrowTrainer(BaseGrowTrainer):
         with warnings.catch_warnings():  # the split warning was given above, once
             warnings.filterwarnings("ignore", message="allow_other_split: ", category=UserWarning)
             result = run_measure(
-                model, datamodule, ckpt_path=ckpt_path, delta=delta, alpha=alpha, t=t, rule=rule, tau=tau,
+                model, datamodule, ckpt_path=ckpt_path, delta=delta, alpha=alpha, t=t, rule=rule,
                 projected=projected, seed=seed, output_dir=out, allow_other_split=allow_other_split,
                 fit_growth=fit_growth,
             )  # fmt: skip
@@ -307,7 +304,7 @@ class GrowTrainer(BaseGrowTrainer):
         growth_history: Optional[str] = None,
         delta: float = 0.0,
         alpha: float = 0.05,
-        rule: Literal["paper", "crossfit", "relative"] = "paper",
+        rule: Literal["paper", "crossfit"] = "paper",
         projected: bool = False,
         output_dir: Optional[str] = None,
         resume: bool = True,

@@ -84,3 +84,12 @@ def quiet_trainer_kwargs(tmp_path) -> dict:
         num_sanity_val_steps=0,
         default_root_dir=tmp_path,
     )
+
+
+@pytest.fixture(autouse=True)
+def _lightning_logs_reach_caplog(monkeypatch):
+    """Lightning's logger does not propagate to the root logger, where ``caplog`` listens: a test that
+    reads its lines would pass or fail by which test ran before it in the same worker."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)

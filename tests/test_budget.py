@@ -1,4 +1,5 @@
-"""GrowForBudget: the budget read from the trainer, the WSD rate over it, equal-FLOP forks, the decision.
+"""GrowUntilSaturated's budget schedule (the default): the budget read from the trainer, the WSD rate
+over it, the forks, the decision, and the paper's Γ̂ reported beside it.
 
 Figures are checked against independent computations: FLOPs counted by FlopCounterMode on networks
 built fresh at each depth, the rate against WSD's formula written out, adoption against the arm's
@@ -17,7 +18,7 @@ from lightning.pytorch import Callback
 from torch.utils.flop_counter import FlopCounterMode
 
 import growtrain.callbacks.budget as budget_cb
-from growtrain import GrowForBudget
+from growtrain import Budget, BudgetFork, GrowUntilSaturated
 from growtrain.budget import BudgetPlan, budget_verdict, carried, plan_problem, steps_cost, wsd_fraction
 from growtrain.data.text import TextDataModule
 from growtrain.lm import LanguageModel
@@ -50,6 +51,19 @@ def _step_flops(depth: int) -> float:
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         net(torch.zeros(1, CTX, dtype=torch.long))
     return 3.0 * BATCH * counter.get_total_flops()
+
+
+def GrowForBudget(*, growth_phase=0.3, checks=3, decay=0.2, warmup=0.01, min_lr_ratio=0.1, fork=0.03, min_gain=0.0,
+                  statistic="steps", **kw):  # fmt: skip
+    """The budget schedule with these parts' options (the callback's own options in ``kw``)."""
+    return GrowUntilSaturated(schedule=Budget(growth_phase=growth_phase, checks=checks, decay=decay, warmup=warmup,
+                                              min_lr_ratio=min_lr_ratio),
+                              decision=BudgetFork(fork=fork, min_gain=min_gain, statistic=statistic), **kw)  # fmt: skip
+
+
+def _records(cb) -> list[dict]:
+    """Each decision's budget figures with its action and reason (the history's ``budget`` entry)."""
+    return [{**h["budget"], "action": h["action"], "reason": h["reason"]} for h in cb.history]
 
 
 # -- pure parts -------------------------------------------------------------------------------
@@ -94,8 +108,10 @@ def test_verdict_grows_only_on_a_lower_bound_above_the_margin():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"fork": 0.0}, "fork: expected a fraction"), ({"checks": 0}, "checks: expected an integer"),
-    ({"insertion": "mask"}, "insertion: expected one of"), ({"min_gain": -0.1}, "min_gain: expected"),
+    ({"fork": 0.0}, "BudgetFork.fork: expected a fraction"), ({"checks": 0}, "Budget.checks: expected an integer"),
+    ({"insertion": "mask"}, "insertion: expected one of"), ({"min_gain": -0.1}, "BudgetFork.min_gain: expected"),
+    ({"insertion": "copy_ramp"}, "insertion: expected 'copy_zero'"), ({"lr_schedule": "anneal"}, "lr_schedule: expected None"),
+    ({"statistic": "guess"}, "BudgetFork.statistic: expected one of"),
     ({"growth_phase": 0.7, "fork": 0.2}, "before the decay"),
 ])  # fmt: skip
 def test_bad_options_refused_at_construction(kwargs, match):
@@ -114,7 +130,7 @@ def test_too_short_fit_says_so_before_training(quiet_trainer_kwargs):
 
 def test_own_scheduler_refused_before_training(quiet_trainer_kwargs):
     sched = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10)
-    with pytest.raises(ValueError, match="configure_optimizers: GrowForBudget drives the learning rate"):
+    with pytest.raises(ValueError, match=r"configure_optimizers: schedule=Budget\(\) drives the learning rate.*StepLR.*Fix: return only the optimizer"):
         _fit(GrowForBudget(fork=0.1), 400, quiet_trainer_kwargs, model=_lm(scheduler=sched))
 
 
@@ -132,18 +148,18 @@ def test_budget_fit_equal_flop_fork_rate_and_end(quiet_trainer_kwargs):
     cb = GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, warmup=0.05, decay=0.2, min_lr_ratio=0.1,
                        statistic="carried")  # the equal-FLOP fork
     trainer, model = _fit(cb, 400, quiet_trainer_kwargs, extra=[rates])
-    (record,) = cb.history  # one decision (grown or not, the phase ends after it)
+    (record,) = _records(cb)  # one decision (grown or not, the phase ends after it)
     # equal FLOPs, counted independently: the run's steps at depth 1 against the arm's at depth 2
     run, arm = record["run_steps"] * _step_flops(1), record["arm_steps"] * _step_flops(2)
     assert abs(run - arm) <= _step_flops(2) and record["arm_steps"] < record["run_steps"]
     assert record["run_steps"] == round(0.1 * 400 * _step_flops(1) / _step_flops(1))
     # the budget: 400 steps at the start depth; the fork's arm and its scoring come out of it
-    assert cb.plan.total_flops == pytest.approx(400 * _step_flops(1))
-    assert cb.spent >= cb.plan.total_flops and trainer.global_step < 400
+    assert cb.run.plan.total_flops == pytest.approx(400 * _step_flops(1))
+    assert cb.run.spent >= cb.run.plan.total_flops and trainer.global_step < 400
     per_probe = _step_flops(1) / (3 * BATCH)  # one probe sequence's forward at depth 1
     n_probe = record["n"]
     scoring = 2 * n_probe * (per_probe + _step_flops(2) / (3 * BATCH))  # halfway and final, both sides
-    assert cb.decision_flops == pytest.approx(record["arm_steps"] * _step_flops(2) + scoring, rel=1e-6)
+    assert cb.run.decision_flops == pytest.approx(record["arm_steps"] * _step_flops(2) + scoring, rel=1e-6)
     # the rate: WSD of the budget's progress; the peak on the stable part, annealed at the end
     assert max(rates.lrs) == pytest.approx(3e-3)
     assert rates.lrs[0] < 0.1 * 3e-3
@@ -175,7 +191,7 @@ def test_growth_adopts_the_arm(quiet_trainer_kwargs, monkeypatch):
     monkeypatch.setattr(budget_cb, "budget_verdict", lambda lower, upper, margin: (True, False))
     cb = GrowForBudget(checks=2, growth_phase=0.4, fork=0.1, insertion="copy")
     trainer, model = _fit(cb, 400, quiet_trainer_kwargs)
-    assert [h["action"] for h in cb.history] == ["grow", "grow"] and model.network.depth() == 3
+    assert [h["action"] for h in _records(cb)] == ["grow", "grow"] and model.network.depth() == 3
     assert set(seen["arm"]) <= set(seen["net"])
     assert all(torch.equal(seen["arm"][k], seen["net"][k]) for k in seen["arm"])
     torch.testing.assert_close(seen["net_out"], seen["arm_out"])
@@ -183,40 +199,51 @@ def test_growth_adopts_the_arm(quiet_trainer_kwargs, monkeypatch):
     for name in seen["arm_state"]:
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(seen["net_state"][name][key], seen["arm_state"][name][key])
-    assert cb.finished == "phase"
-    assert [h["function_preserving"] for h in cb.history] == [False, False]  # a copy changes the function
-    assert all("NOT function-preserving at insertion" in h["reason"] for h in cb.history)
+    assert cb.finished == "budget" and "the growth phase ended" in cb.stop_reason
+    assert [h["function_preserving"] for h in _records(cb)] == [False, False]  # a copy changes the function
+    assert all("NOT function-preserving at insertion" in h["reason"] for h in _records(cb))
 
 
 def test_copy_insertion_copies_the_block_below(quiet_trainer_kwargs, monkeypatch):
     """The arm's new block starts as the block below it (G_stack); with zero, its terminal map is zero."""
     made = []
-    real = budget_cb.GrowForBudget._build
+    real = budget_cb.BudgetRun._build
 
     def spy(self, trainer, pl_module, sites, seed):
         real(self, trainer, pl_module, sites, seed)
         blocks = self.arm.stage("h")
         made.append({k: (v.clone(), blocks[-2].state_dict()[k].clone()) for k, v in blocks[-1].state_dict().items()})
 
-    monkeypatch.setattr(budget_cb.GrowForBudget, "_build", spy)
+    monkeypatch.setattr(budget_cb.BudgetRun, "_build", spy)
     _fit(GrowForBudget(checks=1, growth_phase=0.2, fork=0.1, insertion="copy"), 400, quiet_trainer_kwargs)
     assert made and all(torch.equal(new, below) for new, below in made[0].values())
     made.clear()
     zero = GrowForBudget(checks=1, growth_phase=0.2, fork=0.1, insertion="zero")
     _fit(zero, 400, quiet_trainer_kwargs)
     assert not all(torch.equal(new, below) for new, below in made[0].values())
-    assert zero.history[0]["function_preserving"] is True
+    assert _records(zero)[0]["function_preserving"] is True
+    made.clear()  # the default: the block below's tensors, the terminal map (both c_proj) at zero
+    default = GrowForBudget(checks=1, growth_phase=0.2, fork=0.1)
+    assert default.insertion == "copy_zero"
+    _fit(default, 400, quiet_trainer_kwargs)
+    terminal = {k for k in made[0] if k.endswith(("attn.c_proj.weight", "attn.c_proj.bias", "mlp.c_proj.weight",
+                                                      "mlp.c_proj.bias"))}  # fmt: skip
+    assert len(terminal) == 4
+    assert all(torch.equal(new, below) for k, (new, below) in made[0].items() if k not in terminal)
+    assert all(not torch.any(made[0][k][0]) and torch.any(made[0][k][1]) for k in terminal)
+    (record,) = _records(default)
+    assert record["function_preserving"] is True and record["max_abs_change"] == 0.0
 
 
 def test_a_stop_ends_growth_and_says_what_was_certified(quiet_trainer_kwargs, monkeypatch):
     monkeypatch.setattr(budget_cb, "budget_verdict", lambda lower, upper, margin: (False, True))
     cb = GrowForBudget(checks=3, growth_phase=0.4, fork=0.05, statistic="carried")
     _fit(cb, 600, quiet_trainer_kwargs)
-    (record,) = cb.history  # no decision after the one that stopped growth
-    assert record["action"] == "stop" and cb.finished == "decision"
+    (record,) = _records(cb)  # no decision after the one that stopped growth
+    assert record["action"] == "saturated" and cb.finished == "saturated" and cb.history[0]["certified"] is True
     assert record["reason"].startswith("growth ended at 1 blocks: one more block was certified not to pay for its compute")
     assert "equal FLOPs" in record["reason"] and "saturat" not in record["reason"]
-    assert math.isfinite(record["far_gain_frac"]) and math.isfinite(record["half_gain_frac"])
+    assert math.isfinite(record["carried_gain_frac"]) and math.isfinite(record["half_gain_frac"])
 
 
 @pytest.mark.parametrize("statistic", ["fork", "carried", "steps"])
@@ -228,22 +255,23 @@ def test_the_decision_judges_the_gain_it_was_asked_to(quiet_trainer_kwargs, monk
     monkeypatch.setattr(budget_cb, "budget_verdict", lambda lo, up, margin: judged.append((lo, up)) or real(lo, up, margin))
     cb = GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, statistic=statistic)
     _fit(cb, 400, quiet_trainer_kwargs)
-    (record,) = cb.history
-    key = {"fork": "", "carried": "far_", "steps": "priced_"}[statistic]
+    (record,) = _records(cb)
+    key = {"fork": "fork_", "carried": "carried_", "steps": "steps_"}[statistic]
     assert judged == [(record[key + "lower_frac"], record[key + "upper_frac"])]
-    assert record["far_lower_frac"] != record["lower_frac"]
+    assert record["carried_lower_frac"] != record["fork_lower_frac"]
+    assert (record["lower_frac"], record["upper_frac"]) == judged[0]  # the judged figures, recorded as the decision's
     if statistic == "steps":  # the price comes off the fork's own bounds, and only there
-        assert record["priced_cost_frac"] > 0  # the run's loss falls over 400 steps: fewer steps cost
+        assert record["steps_cost_frac"] > 0  # the run's loss falls over 400 steps: fewer steps cost
         # the equal-steps gain carried from halfway to the end, on to the deeper network's last step
-        g1, g2, m = record["half_gain_frac"], record["gain_frac"], record["priced_log2_steps"]
-        horizon = record["priced_end_arm"] - record["step"]
+        g1, g2, m = record["half_gain_frac"], record["fork_gain_frac"], record["steps_log2_steps"]
+        horizon = record["steps_end_arm"] - record["opened_step"]
         assert m == pytest.approx(math.log2(horizon / record["run_steps"]))
-        g1 = g1 * record["half_loss_before"] / record["loss_before"]  # halfway's gain in the final loss's units
-        assert record["priced_carried_gain_frac"] == pytest.approx(g2 + m * (g2 - g1), abs=1e-9)
-        assert record["priced_gain_frac"] == pytest.approx(record["priced_carried_gain_frac"] - record["priced_cost_frac"])
-        assert record["priced_lower_frac"] == pytest.approx(record["priced_carried_lower_frac"] - record["priced_cost_frac"])
-        assert record["priced_upper_frac"] == pytest.approx(record["priced_carried_upper_frac"] - record["priced_cost_frac"])
-        assert record["priced_end_arm"] < record["priced_end_run"]
+        g1 = g1 * record["half_loss_before"] / record["fork_loss_before"]  # halfway's gain in the final loss's units
+        assert record["steps_carried_gain_frac"] == pytest.approx(g2 + m * (g2 - g1), abs=1e-9)
+        assert record["steps_gain_frac"] == pytest.approx(record["steps_carried_gain_frac"] - record["steps_cost_frac"])
+        assert record["steps_lower_frac"] == pytest.approx(record["steps_carried_lower_frac"] - record["steps_cost_frac"])
+        assert record["steps_upper_frac"] == pytest.approx(record["steps_carried_upper_frac"] - record["steps_cost_frac"])
+        assert record["steps_end_arm"] < record["steps_end_run"]
 
 
 def test_steps_statistic_trains_the_arm_as_many_steps_as_the_run(quiet_trainer_kwargs):
@@ -252,11 +280,11 @@ def test_steps_statistic_trains_the_arm_as_many_steps_as_the_run(quiet_trainer_k
     _fit(steps, 400, quiet_trainer_kwargs)
     flops = GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, statistic="carried")
     _fit(flops, 400, quiet_trainer_kwargs)
-    (s,), (c,) = steps.history, flops.history
+    (s,), (c,) = _records(steps), _records(flops)
     assert s["arm_steps"] == s["run_steps"] == c["run_steps"]
     assert c["arm_steps"] < c["run_steps"]  # 2 blocks cost about twice 1 per step
     assert "equal steps" in s["reason"] and "equal FLOPs" in c["reason"]
-    assert steps.decision_flops > flops.decision_flops
+    assert steps.run.decision_flops > flops.run.decision_flops
 
 
 def test_steps_statistic_curve_survives_a_checkpoint(quiet_trainer_kwargs):
@@ -264,12 +292,12 @@ def test_steps_statistic_curve_survives_a_checkpoint(quiet_trainer_kwargs):
     cb = GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, statistic="steps")
     _fit(cb, 400, quiet_trainer_kwargs)
     state = cb.state_dict()
-    assert len(state["curve"]) == len(cb.curve) > 0
-    assert all(isinstance(loss, float) for _, loss in state["curve"])
+    assert len(state["budget"]["curve"]) == len(cb.run.curve) > 0
+    assert all(isinstance(loss, float) for _, loss in state["budget"]["curve"])
     again = GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, statistic="steps")
     again.load_state_dict(state)
-    assert [(a, float(b)) for a, b in again.curve] == [(a, float(b)) for a, b in cb.curve]
-    steps = [a for a, _ in cb.curve]
+    assert [(a, float(b)) for a, b in again.run.curve] == [(a, float(b)) for a, b in cb.run.curve]
+    steps = [a for a, _ in cb.run.curve]
     assert steps == list(range(steps[0], steps[0] + len(steps)))  # every optimizer step, in order, none twice
 
 
@@ -297,25 +325,27 @@ def test_steps_statistic_refuses_a_training_step_without_its_loss(quiet_trainer_
             super().training_step(batch, batch_idx)
             return None
 
-    with pytest.raises(ValueError, match="statistic='steps'.*Fix: return the loss"):
+    with pytest.raises(ValueError, match="BudgetFork.statistic='steps'.*Fix: return the loss"):
         _fit(GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, statistic="steps"), 400, quiet_trainer_kwargs,
              model=NoLoss(n_layer=1, d_model=WIDTH, n_head=HEADS, block_size=CTX, vocab_size=256))
 
 
-def test_docs_options_table_matches_the_signature():
-    """docs/budget.md's defaults are the callback's (one source: the signature)."""
-    import inspect
+def test_docs_options_table_matches_the_parts():
+    """docs/budget.md's defaults are the parts' (one source: the dataclasses' fields)."""
+    import dataclasses
     import re
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "budget.md").read_text()
-    defaults = {k: v.default for k, v in inspect.signature(GrowForBudget).parameters.items()}
-    for name in ("growth_phase", "checks", "fork", "min_gain", "alpha", "insertion", "statistic"):
-        row = re.search(rf"^\| `{name}` \| ([^|]+) \|", text, re.M)
-        assert row, name
-        shown = row.group(1).strip().strip("`").strip('"')
-        expected = "0" if defaults[name] == 0.0 and not isinstance(defaults[name], bool) else str(defaults[name])
-        assert shown == expected, (name, shown, defaults[name])
+    for part in (Budget, BudgetFork):
+        for field in dataclasses.fields(part):
+            row = re.search(rf"^\| `{part.__name__}\.{field.name}` \| ([^|]+) \|", text, re.M)
+            assert row, (part.__name__, field.name)
+            shown = row.group(1).strip().strip("`").strip('"')
+            value = field.default
+            assert shown == ("0" if value == 0 and not isinstance(value, bool) else str(value)), (field.name, shown)
+    row = re.search(r"^\| `insertion` \| ([^|]+) \|", text, re.M)
+    assert row and row.group(1).strip().strip("`").strip('"') == GrowUntilSaturated().insertion
 
 
 def test_a_probe_that_was_trained_on_is_refused_before_training(quiet_trainer_kwargs, tiny_data):
@@ -329,3 +359,46 @@ def test_a_probe_that_was_trained_on_is_refused_before_training(quiet_trainer_kw
         _fit(GrowForBudget(fork=0.1, probe=tiny_data.train_dataloader), 400, quiet_trainer_kwargs, model=model,
              data=tiny_data)  # fmt: skip
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class _StopAtEpochEnd(Callback):
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch == self.epoch:
+            trainer.should_stop = True
+
+
+def test_a_fit_cut_while_a_budget_fork_is_open_resumes_into_the_same_decisions(tmp_path, quiet_trainer_kwargs):
+    """The open fork (the arm's weights and optimizer state, both sides' averages, the halfway scores),
+    the FLOPs spent and the run's curve travel in the checkpoint: cut halfway through the first fork,
+    the resumed fit makes the uninterrupted fit's decisions with the same figures and ends on the same
+    weights."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(folder, extra=(), ckpt=None):
+        L.seed_everything(0)
+        cb = GrowForBudget(checks=2, growth_phase=0.5, fork=0.1, verbose=False)
+        every = ModelCheckpoint(dirpath=tmp_path / folder, save_last=True, every_n_epochs=1, save_top_k=-1)
+        # bounded by max_epochs: a max_steps fit resumed from an epoch-end checkpoint does not redraw that epoch's
+        # batches exactly (RandomStateCheckpoint's limits, growtrain/callbacks/rng_state.py)
+        trainer = L.Trainer(max_epochs=10, limit_train_batches=40, limit_val_batches=0, callbacks=[cb, every, *extra],
+                            **{**quiet_trainer_kwargs, "enable_checkpointing": True})  # fmt: skip
+        model = _lm()
+        trainer.fit(model, _data(), ckpt_path=ckpt)
+        return cb, model
+
+    whole, model = fit("whole")
+    assert [h["budget"]["opened_step"] for h in whole.history][0] == 100  # the first fork: steps 100 → 140
+    cut, _ = fit("cut", extra=[_StopAtEpochEnd(2)])  # the end of epoch 2 is step 120: halfway through it
+    assert cut.history == [] and cut.run.fork_state is not None
+    resumed, again = fit("resumed", ckpt=str(tmp_path / "cut" / "last.ckpt"))
+    keep = ("check", "step", "action", "sites", "depth", "gamma", "threshold", "budget", "reason")
+    got, want = [{k: h[k] for k in keep} for h in resumed.history], [{k: h[k] for k in keep} for h in whole.history]
+    assert [(k, a[k], b[k]) for a, b in zip(got, want) for k in keep if a[k] != b[k] and k != "budget"] == []
+    assert [(k, a["budget"][k], b["budget"][k]) for a, b in zip(got, want) for k in a["budget"] if a["budget"][k] != b["budget"][k]] == []
+    assert got == want
+    assert resumed.run.spent == pytest.approx(whole.run.spent) and resumed.finished == whole.finished
+    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b) if torch.is_tensor(a) else a == b, name

@@ -265,7 +265,7 @@ def test_users_own_module_with_probe_loader_and_loss(tmp_path):
         ({"lr_schedule": "reset"}, "lr_schedule"),
         ({"schedule": "sometimes"}, "schedule"),
         ({"max_growths": -1}, "max_growths"),
-        ({"max_params": 0}, "max_params"),
+        ({"insertion": "stack"}, "insertion"),
         ({"decision": "guess"}, "decision"),
         ({"decision": Converged()}, "decision"),
         ({"network": 3}, "network"),
@@ -333,10 +333,10 @@ def test_model_without_growable_network_is_refused(tmp_path):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     ds = _blobs()
-    grow = GrowUntilSaturated(probe=DataLoader(Subset(ds, range(200, 240))), verbose=False)
+    grow = GrowUntilSaturated(schedule="converged", probe=DataLoader(Subset(ds, range(200, 240))), verbose=False)
     _assert_refused_before_training(tmp_path, Plain(), {"train_dataloaders": DataLoader(Subset(ds, range(200)))},
                                     grow, "no growable submodule")  # fmt: skip
-    bad_path = GrowUntilSaturated(probe=DataLoader(Subset(ds, range(200, 240))), network="trunk", verbose=False)
+    bad_path = GrowUntilSaturated(schedule="converged", probe=DataLoader(Subset(ds, range(200, 240))), network="trunk", verbose=False)
     _assert_refused_before_training(tmp_path, Plain(), {"train_dataloaders": DataLoader(Subset(ds, range(200)))},
                                     bad_path, "has no submodule 'trunk'")  # fmt: skip
 
@@ -423,18 +423,14 @@ def test_plateau_update_counts_epochs_without_improvement():
 
 
 def test_decide_growth_budgets_and_saturation():
-    common = dict(block_params={"a.0": 10, "a.1": 10, "b.1": 50}, growths=0, max_growths=None, params=100,
-                  max_params=None)  # fmt: skip
+    common = dict(growths=0, max_growths=None)
     assert decide_growth(saturated=True, ranked=[], **common)[0] == "saturated"
+    assert decide_growth(saturated=False, ranked=[], **common)[0] == "saturated"  # no site ranked: nothing to grow
     action, why, sites = decide_growth(saturated=False, ranked=["b.1", "a.0"], **common)
-    assert (action, sites) == ("grow", ["b.1", "a.0"])
-    assert decide_growth(saturated=False, ranked=["b.1"], **(common | {"growths": 2, "max_growths": 2}))[0] == "budget"
-    assert decide_growth(saturated=False, ranked=["b.1"], **(common | {"params": 200, "max_params": 200}))[:2] == (
-        "budget", "max_params=200 reached (200 parameters)")
-    action, _, sites = decide_growth(saturated=False, ranked=["b.1", "a.0"], **(common | {"max_params": 115}))
-    assert sites == ["a.0"]  # b.1 does not fit, a.0 does
-    action, why, sites = decide_growth(saturated=False, ranked=["b.1"], **(common | {"max_params": 120}))
-    assert action == "budget" and "no candidate block fits" in why
+    assert (action, sites) == ("grow", ["b.1", "a.0"]) and why.endswith("grow at b.1, a.0")
+    action, why, sites = decide_growth(saturated=False, ranked=["b.1"], **(common | {"growths": 2, "max_growths": 2}))
+    assert (action, sites) == ("budget", []) and why == "max_growths=2 reached (2 growth step(s) done)"
+    assert decide_growth(saturated=False, ranked=["b.1"], **(common | {"growths": 1, "max_growths": 2}))[0] == "grow"
 
 
 def test_rank_sites_crossfit_needs_each_site_certified():
@@ -507,14 +503,14 @@ def test_two_callbacks_growing_two_networks_keep_two_states():
     so neither overwrites the other (as two EarlyStoppings on two monitors)."""
     from lightning.pytorch.trainer import call
 
-    enc, dec = GrowUntilSaturated(network="encoder", verbose=False), GrowUntilSaturated(network="decoder", verbose=False)
+    enc, dec = GrowUntilSaturated(network="encoder", verbose=False), GrowUntilSaturated(schedule="converged", network="decoder", verbose=False)
     enc.checks, dec.checks = 3, 5
     trainer = L.Trainer(callbacks=[enc, dec], logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False)  # fmt: skip
     states = call._call_callbacks_state_dict(trainer)
     assert len(states) == 2 and sorted(s["checks"] for s in states.values()) == [3, 5]
     assert all(k.startswith("GrowUntilSaturated") for k in states)
-    enc2, dec2 = GrowUntilSaturated(network="encoder", verbose=False), GrowUntilSaturated(network="decoder", verbose=False)
+    enc2, dec2 = GrowUntilSaturated(network="encoder", verbose=False), GrowUntilSaturated(schedule="converged", network="decoder", verbose=False)
     enc2.load_state_dict(states[enc2.state_key]), dec2.load_state_dict(states[dec2.state_key])
     assert (enc2.checks, dec2.checks) == (3, 5)
 
@@ -546,11 +542,11 @@ def test_a_validation_loss_falling_at_every_run_never_plateaus(tmp_path, every):
 def test_the_checks_seconds_and_the_fits_survive_a_checkpoint():
     """The end-of-fit summary's share of the fit spent on checks counts the whole fit: a resumed
     callback starts from the seconds the checkpoint recorded, then adds its own."""
-    grow = GrowUntilSaturated(verbose=False)
+    grow = GrowUntilSaturated(schedule="converged", verbose=False)
     grow.probe_seconds, grow._decider.seconds = 2.0, 3.0
     state = grow.state_dict()
     assert state["seconds"] == {"checks": 5.0, "fit": 0.0}
-    again = GrowUntilSaturated(verbose=False)
+    again = GrowUntilSaturated(schedule="converged", verbose=False)
     again.load_state_dict(state | {"seconds": {"checks": 5.0, "fit": 40.0}})
     again.probe_seconds = 1.5
     assert again.check_seconds == 6.5 and again.fit_seconds == 40.0
@@ -588,7 +584,7 @@ def test_a_probe_read_through_a_subset_sampler_is_refused_when_sharded():
 
 
 # -- the options: kept once ------------------------------------------------------------------
-@pytest.mark.parametrize("kw", [{}, {"schedule": "periodic"}])
+@pytest.mark.parametrize("kw", [{"schedule": "converged"}, {"schedule": "periodic"}])
 def test_delta_outside_the_rule_decision_warns_that_it_changes_the_report_only(kw):
     """Under decision="trial" and "stage_fork" delta moves only the reported first-order verdict
     (the sites are ranked by a lower bound it does not move): said at construction, with the fix;

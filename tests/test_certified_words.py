@@ -85,7 +85,6 @@ STOPS = {
                              min_gain=0.01, horizon="8 epoch(s)"), False),  # fmt: skip
     "paper rule": (lambda: dec.paper_verdict(0.1, "layer1.1", 0.0, 0.5), False),
     "cross-fit rule": (lambda: dec.crossfit_verdict([-0.1, 0.0], ["layer1.1", "layer2.1"], 0.0, 0.01), False),
-    "relative rule": (lambda: dec.relative_verdict([0.1], ["layer1.1"], 0.5, 0.5, 0.0, 0.01), False),
 }
 
 
@@ -103,7 +102,7 @@ def probed():
 def history_of(verdict, net, report) -> list[dict]:
     """A grow check and the stop ``verdict`` made, as the callback records them (decide_growth,
     then telemetry.check_record with the verdict's ``certified``)."""
-    common = dict(block_params={}, growths=1, max_growths=None, params=100, max_params=None)
+    common = dict(growths=1, max_growths=None)
     grow = {"check": 0, "epoch": 4, "step": 40, "depth_before": 3}
     grow.update(telemetry.check_record(report, "grow", "grow: the block at layer1.1 pays", ["layer1.1"], net, 4))
     action, reason, sites = schedule_rules.decide_growth(saturated=verdict.saturated, ranked=[], reason=verdict.reason, **common)

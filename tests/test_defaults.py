@@ -9,7 +9,7 @@ import torch
 
 from growtrain import GrowUntilSaturated, measure_saturation
 from growtrain.callbacks.growth_config import GrowthConfig
-from growtrain.decision import DEFAULT_RULE, DEFAULT_TAU
+from growtrain.decision import DEFAULT_RULE
 from growtrain.experiments import run_measure, run_sweep
 from growtrain.module import ImageClassifier
 from growtrain.trainer import GrowTrainer
@@ -30,9 +30,8 @@ def test_measure_resolves_its_rule_like_the_callback(tiny_data):
 
 
 def test_documented_defaults():
-    # the decision entry points: the same rule resolution and τ, no V_S
+    # the decision entry points: the same rule resolution, no V_S
     assert _default(GrowTrainer.measure, "rule") is None and _default(run_measure, "rule") is None
-    assert _default(GrowTrainer.measure, "tau") == _default(run_measure, "tau") == DEFAULT_TAU
     # the callback never computes V_S: no option asks for it (projected was removed)
     assert "projected" not in GrowthConfig.names() and not hasattr(GrowUntilSaturated(schedule="periodic",
                                                                                       decision="trial"), "projected")

@@ -26,8 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import growtrain.ghosts as ghosts
 import growtrain.probe_pass as probe_pass
-import growtrain.saturation as saturation
 from growtrain.batches import to_device
+from growtrain.decision import RULES
 from growtrain import measure_saturation, replay_growth
 from growtrain.models import cifar_resnet
 from growtrain.optim import param_groups
@@ -55,7 +55,7 @@ def default_device_meta():
 
 
 # -- nothing takes the default device ----------------------------------------------------------
-@pytest.mark.parametrize("rule", saturation.RULES)
+@pytest.mark.parametrize("rule", RULES)
 def test_probe_ignores_the_default_device(rule):
     net, batches = _net(), H.probe_batches("preact", n=20, batch=8)
     want = measure_saturation(net, batches, H.loss_fn, rule=rule, seed=3).to_dict()

@@ -255,12 +255,14 @@ def test_refused_strategies_name_the_reason_and_the_alternative():
     fsdp2 = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     # every decision but the stage fork passes the strategy check under FSDP2 (the block-only trial too: gpt:trial
     # runs it); the stage fork's arm is a full, unsharded copy: refused with the fix
-    for accepted in ({}, {"decision": "trial"}, {"schedule": "periodic", "decision": "trial"},
-                     {"decision": "rule"}):  # fmt: skip
+    for accepted in ({"schedule": "converged"}, {"schedule": "converged", "decision": "trial"},
+                     {"schedule": "periodic", "decision": "trial"}, {"schedule": "converged", "decision": "rule"}):
         with pytest.raises(ValueError, match="probe: no probe data"):  # on to the next one (no datamodule here)
             _setup(fsdp2, **accepted)
-    with pytest.raises(RuntimeError, match=r"^strategy: decision='stage_fork' .*decision='trial' under FSDP2"):
+    with pytest.raises(RuntimeError, match=r"^strategy: decision='stage_fork' .*\(decision='trial'\) under FSDP2"):
         _setup(fsdp2, schedule="periodic")
+    with pytest.raises(RuntimeError, match=r"^strategy: decision='budget_fork' .*\(decision='trial'\) under FSDP2"):
+        _setup(fsdp2)  # the default's fork arm, too: refused before training
 
 
 def test_equal_shards_give_every_rank_the_same_number_of_probe_samples():

@@ -128,10 +128,9 @@ def test_the_final_metrics_are_the_trainers_last_callback_metrics():
     assert got == {"val_loss": 0.5, "train_loss": 2.0} and all(type(v) is float for v in got.values())
 
 
-@pytest.mark.parametrize("rule", ["crossfit", "relative", "paper"])
+@pytest.mark.parametrize("rule", ["crossfit", "paper"])
 def test_the_probe_pass_yields_the_networks_own_per_sample_losses(rule):
-    """measure_saturation's sample_losses are the probe pass's own forward's (ghosts output zero,
-    half A cut into pieces for the relative rule, which measure_saturation still computes): they
+    """measure_saturation's sample_losses are the probe pass's own forward's (ghosts output zero): they
     equal an unreduced cross-entropy of the network alone in eval mode, in the loader's order."""
     from growtrain.saturation import measure_saturation
 

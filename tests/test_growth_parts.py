@@ -137,14 +137,14 @@ def test_the_parts_fields_reach_their_collaborators():
     assert (steps._fork.min_gain, steps._fork.horizon) == (0.03, "40+ optimizer step(s)")
     epochs = GrowUntilSaturated(schedule=Periodic(every_n_epochs=3), verbose=False)
     assert (epochs._schedule.every_n_epochs, epochs._fork.horizon) == (3, "3 epoch(s)")
-    rule = GrowUntilSaturated(decision="rule", verbose=False)
+    rule = GrowUntilSaturated(schedule="converged", decision="rule", verbose=False)
     assert isinstance(rule._decider, FirstOrderRule) and rule._trials is None and rule._fork is None
 
 
 # -- the parts together ------------------------------------------------------------------------------------
 def test_the_stage_fork_needs_a_periodic_schedule_and_the_constant_rate():
     with pytest.raises(ValueError, match=r"^decision: expected 'stage_fork' only with schedule='periodic' .*Fix: "):
-        GrowUntilSaturated(decision=StageFork())
+        GrowUntilSaturated(schedule="converged", decision=StageFork())
     with pytest.raises(ValueError, match=r"^lr_schedule: expected 'continue' or 'restart' with "
                                          r"decision='stage_fork' .*Fix: drop lr_schedule, or pass decision='trial'"):
         GrowUntilSaturated(schedule="periodic", lr_schedule="anneal")
@@ -155,7 +155,7 @@ def test_the_stage_fork_needs_a_periodic_schedule_and_the_constant_rate():
             grow = GrowUntilSaturated(schedule=Periodic(every_n_epochs=2), decision=decision, lr_schedule="anneal")
         assert grow.lr_schedule == grow._schedule.lr_schedule == "anneal"
     # the default rate policy: resolved per fit under Converged, the constant rate under Periodic
-    assert GrowUntilSaturated().lr_schedule is None
+    assert GrowUntilSaturated(schedule="converged").lr_schedule is None
     assert GrowUntilSaturated(schedule="periodic", decision="trial").lr_schedule == "continue"
 
 

@@ -119,7 +119,7 @@ def test_default_monitor_uses_the_loss_training_step_returns(tmp_path, caplog):
 
 
 def test_returned_loss_mean_is_the_epoch_mean():
-    grow = GrowUntilSaturated(verbose=False)
+    grow = GrowUntilSaturated(schedule="converged", verbose=False)
     for loss in (1.0, 2.0, 6.0):
         grow.on_train_batch_end(None, None, {"loss": torch.tensor(loss)}, None, 0)
     assert float(grow._monitor._returned_loss(type("T", (), {"world_size": 1})())) == pytest.approx(3.0)
@@ -333,3 +333,39 @@ def test_the_default_trial_decision_does_not_warn_about_the_probe(tmp_path):
         except Exception:
             pass
     assert not [w for w in caught if "not detectable" in str(w.message)]
+
+
+class _FirstStep(L.Callback):
+    """Records the warnings given before the first training step."""
+
+    def __init__(self):
+        self.before: list[str] | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.before is None:
+            self.before = [str(w.message) for w in self.caught]
+
+
+@pytest.mark.parametrize("schedule, epochs, need", [
+    (Converged(min_stage_epochs=1, patience=1, min_rel_delta=0.99), 11, 12),  # a plateau by epoch 2, a 10-epoch anneal
+    (Periodic(every_n_epochs=5), 4, 5),
+])  # fmt: skip
+def test_a_fit_too_short_for_one_check_says_so_before_the_first_step(tmp_path, schedule, epochs, need):
+    """The earliest check is exact: one epoch short of it warns before training, naming the fix; a fit
+    that can just reach it is silent and makes its check in the last epoch."""
+    import warnings
+
+    for max_epochs in (epochs, need):
+        first = _FirstStep()
+        grow = GrowUntilSaturated(schedule=schedule, decision="rule", verbose=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first.caught = caught
+            _trainer(tmp_path, [grow, first], max_epochs=max_epochs, limit_train_batches=2).fit(
+                ImageClassifier(width=4, in_channels=3, num_classes=4), _dm())
+        said = [w for w in first.before if "the first check cannot come before" in w]
+        if max_epochs < need:
+            assert len(said) == 1 and f"max_epochs={max_epochs} leaves {max_epochs} epoch(s)" in said[0]
+            assert f"Fix: raise max_epochs to allow {need} epoch(s)" in said[0] and grow.history == []
+        else:
+            assert said == [] and [h["epoch"] for h in grow.history][:1] == [need - 1]

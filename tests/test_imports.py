@@ -192,7 +192,7 @@ def test_graph_reader_sees_deferred_and_relative_imports_but_not_lazy_reexports(
         from . import report
 
         def late():
-            from growtrain.crossfit import alpha_schedule
+            from growtrain.crossfit import CrossFitState
 
         def __getattr__(name):
             from growtrain.trainer import GrowTrainer

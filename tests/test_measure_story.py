@@ -118,7 +118,6 @@ def test_measure_on_a_fit_that_ended_growth_says_how_the_verdicts_relate(tmp_pat
 @pytest.mark.parametrize("rule, words", [
     ("paper", "no certified first-order gain (Γ̂ ≤ δ+t: rules out Γ ≥ δ+2t only)"),
     ("crossfit", "no certified first-order gain (no site's lower bound above δ)"),
-    ("relative", "no certified first-order gain (no site's lower bound above max(δ, τ·R))"),
 ])  # fmt: skip
 def test_a_first_order_stop_is_reported_as_no_certified_gain_never_saturated(rule, words):
     """A first-order stop is a statistic that did not clear its margin, not an upper bound on a block's

@@ -1,4 +1,4 @@
-"""The options of ``GrowUntilSaturated`` after the eighth session's removal (40 options cut to 25, then one added:
+"""The options of ``GrowUntilSaturated`` after the removal of 2026-12-03 (commit 858f19e) (40 options cut to 25, then one added:
 ``min_steps_between_checks``; docs/results/history.md), then grouped into its parts (25 → 15): when a check
 comes (``schedule``: ``Converged``/``Periodic``) and what decides (``decision``: ``Trial``/``StageFork``/``Rule``).
 
@@ -32,7 +32,7 @@ from growtrain.callbacks.monitor import StageMonitor
 from growtrain.callbacks.trial_check import BlockTrials
 from growtrain.trial import DEFAULT_TRIAL_LR, TRIAL_SITES
 
-# The 15 options removed in the eighth session (docs/results/history.md), each with a value an old config passed.
+# The 15 options removed on 2026-12-03, commit 858f19e (docs/results/history.md), each with a value an old config passed.
 FORMER_OPTIONS = {
     "cooldown": 1, "probe_budget": 0.05, "tau": 0.5, "alpha_spending": "geometric", "restore_best": True,
     "trial_growth": True, "trial_lr": 1e-3, "trial_holdout": 20000, "trial_sites": 3, "top_k": 1, "max_blocks": 8,
@@ -56,7 +56,7 @@ def test_a_former_option_is_pythons_plain_type_error_before_any_state(name, tmp_
         # delta under the trial would warn and alpha=2 would be a ValueError: Python refuses
         # the unknown keyword before the body runs, so no validation, warning or state
         with pytest.raises(TypeError) as info:
-            GrowUntilSaturated(delta=0.5, alpha=2.0, **{name: value})
+            GrowUntilSaturated(schedule="converged", delta=0.5, alpha=2.0, **{name: value})
     assert str(info.value) == f"GrowUntilSaturated.__init__() got an unexpected keyword argument '{name}'"
     assert caught == [], [str(w.message) for w in caught]
     assert torch.equal(torch.random.get_rng_state(), rng)
@@ -65,7 +65,7 @@ def test_a_former_option_is_pythons_plain_type_error_before_any_state(name, tmp_
 
 def test_the_trial_constants_are_the_default_decisions():
     assert (DEFAULT_TRIAL_LR, TRIAL_SITES) == (1e-3, 3)
-    trials = GrowUntilSaturated(verbose=False)._trials  # the default decision's collaborator uses them
+    trials = GrowUntilSaturated(schedule="converged", verbose=False)._trials  # the default decision's collaborator uses them
     assert isinstance(trials, BlockTrials)
     assert (trials.lr, trials.sites) == (1e-3, 3)
 
@@ -83,21 +83,22 @@ def test_at_most_15_options_none_removed_and_the_callback_takes_exactly_them():
     assert [n for n in signature if n != "self"] == names  # the same options in the same order
     defaults = {f: GrowthConfig.__dataclass_fields__[f].default for f in names}
     assert {n: signature[n].default for n in names} == defaults
-    grow = GrowUntilSaturated(verbose=False)
+    grow = GrowUntilSaturated(schedule="converged", verbose=False)
     assert not any(hasattr(grow, n) for n in FORMER_OPTIONS | GROUPED_OPTIONS)  # no attribute left behind either
-    assert DECISIONS == ("trial", "rule", "stage_fork")
+    assert DECISIONS == ("budget_fork", "trial", "rule", "stage_fork")
 
 
 def test_a_value_a_kept_option_does_not_take_is_refused_naming_the_choices():
     """The generic refusal: the option, the values it takes, what was given, a fix."""
     with pytest.raises(ValueError) as info:
-        GrowUntilSaturated(rule="bonferroni")
+        GrowUntilSaturated(schedule="converged", rule="bonferroni")
     assert str(info.value) == "rule: expected one of ('paper', 'crossfit'); got 'bonferroni'. Fix: pass rule='paper'."
     for schedule in ("converged", "periodic"):
         with pytest.raises(ValueError) as info:
             GrowUntilSaturated(schedule=schedule, decision="guess")
-        assert str(info.value) == ("decision: expected one of ('trial', 'rule', 'stage_fork') or Trial(...) or "
-                                   "Rule(...) or StageFork(...); got 'guess'. Fix: pass decision='trial'.")  # fmt: skip
+        assert str(info.value) == ("decision: expected one of ('budget_fork', 'trial', 'rule', 'stage_fork') or "
+                                   "BudgetFork(...) or Trial(...) or Rule(...) or StageFork(...); got 'guess'. Fix: "
+                                   "pass decision='budget_fork'.")  # fmt: skip
 
 
 # -- the checkpoint state round-trips -----------------------------------------------------------------
@@ -116,7 +117,7 @@ EXPECTED = {
 
 
 def test_the_checkpoint_state_round_trips_into_the_collaborators():
-    grow = GrowUntilSaturated(verbose=False)
+    grow = GrowUntilSaturated(schedule="converged", verbose=False)
     grow.checks, grow.growths, grow.inserted = 4, 2, 2
     grow.history = [dict(h) for h in HISTORY]
     grow.restart_pending, grow.start_depth = True, 3
@@ -127,11 +128,11 @@ def test_the_checkpoint_state_round_trips_into_the_collaborators():
     state = grow.state_dict()
     assert state == EXPECTED
 
-    fresh = GrowUntilSaturated(verbose=False)
+    fresh = GrowUntilSaturated(schedule="converged", verbose=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fresh.load_state_dict(state)
-    assert (fresh.checks, fresh.growths, fresh.inserted, fresh.epochs_since_check, fresh.stage_epochs) == (4, 2, 2, 2, 3)
+    assert (fresh.checks, fresh.growths, fresh.inserted, fresh._schedule.epochs_since_check, fresh.stage_epochs) == (4, 2, 2, 2, 3)
     assert fresh.history == HISTORY and fresh.history is not state["history"]
     assert (fresh.finished, fresh.stop_reason, fresh.restart_pending, fresh.start_depth) == (None, None, True, 3)
     assert fresh._schedule.last_check_step == 130

@@ -30,7 +30,7 @@ def test_bad_periodic_options_are_refused_naming_the_argument(kw, arg):
 
 def test_the_periodic_schedule_decides_by_the_stage_fork_by_default():
     assert GrowUntilSaturated(schedule="periodic").decision == StageFork()
-    assert GrowUntilSaturated().decision == Trial()  # the converged schedule keeps its default
+    assert GrowUntilSaturated(schedule="converged").decision == Trial()  # the converged schedule keeps its default
 
 
 class LrLog(L.Callback):
@@ -149,7 +149,7 @@ def test_a_check_leaves_a_train_loaders_own_generator_where_it_was(monkeypatch):
     g = torch.Generator().manual_seed(3)
     loader = DataLoader(list(range(32)), batch_size=4, shuffle=True, generator=g)
     trainer = SimpleNamespace(train_dataloader=loader)
-    grow = GrowUntilSaturated(verbose=False)
+    grow = GrowUntilSaturated(schedule="converged", verbose=False)
     grow._network = torch.nn.Linear(2, 2)
     before = g.get_state().clone()
 
@@ -197,7 +197,7 @@ def test_the_former_name_every_n_train_steps_is_pythons_plain_type_error():
     """Renamed before 0.1.0 (Lightning's ``ModelCheckpoint(every_n_train_steps=N)`` acts every N
     steps mid-epoch; this option's checks come only at epoch ends): no alias, no shim."""
     with pytest.raises(TypeError) as info:
-        GrowUntilSaturated(every_n_train_steps=4)
+        GrowUntilSaturated(schedule="converged", every_n_train_steps=4)
     assert str(info.value) == "GrowUntilSaturated.__init__() got an unexpected keyword argument 'every_n_train_steps'"
     assert "every_n_train_steps" not in GrowthConfig.names()  # nor a dataclass field a config could set
     grow = GrowUntilSaturated(schedule=Periodic(min_steps_between_checks=4), verbose=False)

@@ -64,12 +64,9 @@ def test_the_probes_backward_is_loss_scaled_under_float16():
     def small(out, y):
         return 1e-3 * F.cross_entropy(out, y)
 
-    for rule in ("paper", "crossfit", "relative"):
+    for rule in ("paper", "crossfit"):
         fp32 = measure_saturation(net, batches, small, rule=rule, projected=False)
         fp16 = measure_saturation(net, batches, small, rule=rule, projected=False, autocast_dtype=torch.float16)
         for site in net.sites():
             a, b = fp32.record(site).grad_norm, fp16.record(site).grad_norm
             assert abs(b - a) <= 0.02 * a, (rule, site, a, b)
-        if rule == "relative":  # the existing blocks' RMS gradient norm, from the parameters' gradients: a
-            # debiased difference of two sums, so float16's rounding moves it more (5 % here); unscaled it is 1024×
-            assert abs(fp16.reference - fp32.reference) <= 0.1 * fp32.reference, (fp32.reference, fp16.reference)

@@ -96,8 +96,7 @@ def data(n: int, seed: int):
     return TensorDataset(x, y)
 
 
-# calibration of candidate BatchNorms is always on (the option was removed); the relative rule is
-# no callback option any more. Each decision runs its own code inside a check: the trial trains a
+# calibration of candidate BatchNorms is always on (the option was removed). Each decision runs its own code inside a check: the trial trains a
 # block with the rest of the network frozen and in eval mode, the stage fork opens its arm.
 @pytest.mark.parametrize(
     "rule, options",

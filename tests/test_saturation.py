@@ -287,17 +287,10 @@ def test_given_t_overrides_alpha_and_best_site_is_argmax(kind):
     assert big.saturated and big.error_bound < report.error_bound
 
 
-def test_select_projected_ranks_by_projected(kind):
-    net, batches, report, oracles = scored(kind)
-    rep = measure_saturation(net, batches, H.loss_fn, t=1e-9, seed=7, select="projected")
-    assert rep.best_site == max(rep.sites, key=lambda r: r.projected).name
-
-
-
-@pytest.mark.parametrize("rule", ["paper", "crossfit", "relative"])
+@pytest.mark.parametrize("rule", ["paper", "crossfit"])
 def test_every_rule_reports_t_and_the_threshold_when_the_variance_is_computed(kind, rule):
     """The callback passes variance=True under every rule and reports Γ̂ against δ+t: under the
-    cross-fit rules too, t = sqrt(Σσ̂²/(nα)), the threshold δ+t and the error bound come from the
+    cross-fit rule too, t = sqrt(Σσ̂²/(nα)), the threshold δ+t and the error bound come from the
     per-sample loop of the oracle (the candidates uncalibrated, so every rule scores the same blocks)."""
     net = H.make_net(kind, seed=0)
     batches = H.probe_batches(kind, n=20, batch=8)
@@ -650,8 +643,6 @@ def test_argument_errors():
             measure_saturation(net, batches, H.loss_fn, t=t)
     with pytest.raises(ValueError, match="rule"):
         measure_saturation(net, batches, H.loss_fn, rule="nope")
-    with pytest.raises(ValueError, match="select"):
-        measure_saturation(net, batches, H.loss_fn, select="ag")
     with pytest.raises(ValueError, match="probe_loader"):
         measure_saturation(net, [], H.loss_fn)
     with pytest.raises(ValueError, match="at least 2"):

@@ -32,4 +32,4 @@ def test_plateau_needs_a_minimum_stage_and_is_relative():
 
     assert plateau_epoch(1.0) == plateau_epoch(10.0) == plateau_epoch(0.1) == 4
     with pytest.raises(RuntimeError, match=r"monitor: metric 'train_loss' is not logged; available: \['loss'\]"):
-        GrowUntilSaturated()._monitor.plateaued(SimpleNamespace(callback_metrics={"loss": torch.tensor(1.0)}))
+        GrowUntilSaturated(schedule="converged")._monitor.plateaued(SimpleNamespace(callback_metrics={"loss": torch.tensor(1.0)}))

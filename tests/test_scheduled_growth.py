@@ -1,4 +1,4 @@
-"""GrowOnSchedule and its insertions (zero, MSG mask ramp, G_stack copy, copy behind the ramp), checked
+"""GrowUntilSaturated(schedule=Plan(...)) and its insertions (zero, MSG mask ramp, G_stack copy, copy behind the ramp), checked
 against explicit computations: the masked network against a hand-written mix of the block's plain
 forward, the copy against the neighbour's tensors, optimizer state by Adam's own step counts; the plan
 refused before training; a checkpoint written mid-ramp loads as the network that was trained.
@@ -121,7 +121,21 @@ def test_wsd_factor_is_warmup_flat_then_linear_decay():
         WarmupStableDecay(opt, warmup_steps=5, total_steps=8, decay_steps=4)
 
 
-# -- GrowOnSchedule inside Trainer.fit ------------------------------------------------------------------
+def GrowOnSchedule(*, at, blocks=1, site="last", ramp_steps=100, insertion="zero", **kw):
+    """The plan schedule with these options (``Plan``'s and the callback's)."""
+    from growtrain import GrowUntilSaturated, Plan
+
+    return GrowUntilSaturated(schedule=Plan(at=at, blocks=blocks, site=site, ramp_steps=ramp_steps), insertion=insertion,
+                              **kw)  # fmt: skip
+
+
+def _growths(cb) -> list[dict]:
+    """Each planned growth's record: the plan's figures with the step, the sites and the depth after it."""
+    return [{**h["plan"], "step": h["step"], "sites": h["sites"], "depth": h["depth"],
+             "function_preserving": h["function_preserving"]} for h in cb.history]  # fmt: skip
+
+
+# -- the plan inside Trainer.fit ------------------------------------------------------------------
 def _text_data():
     from growtrain.data.text import TextDataModule
 
@@ -149,22 +163,20 @@ def _trainer(tmp_path, callbacks, quiet, **kw):
 def test_grows_at_the_fractions_with_fresh_optimizer_state(insertion, tmp_path, quiet_trainer_kwargs, caplog):
     import logging
 
-    from growtrain import GrowOnSchedule
-
     grow = GrowOnSchedule(at=[0.25, 0.5], insertion=insertion, verbose=True)
     module = _lm()
     trainer = _trainer(tmp_path, [grow], quiet_trainer_kwargs, max_steps=12)
     with caplog.at_level(logging.INFO):
         trainer.fit(module, datamodule=_text_data())
-    assert grow.steps == [3, 6] and [g["step"] for g in grow.growths] == [3, 6]
-    assert [g["sites"] for g in grow.growths] == [["h.1"], ["h.2"]] and module.network.depth() == 3
+    assert grow.run.steps == [3, 6] and [g["step"] for g in _growths(grow)] == [3, 6]
+    assert [g["sites"] for g in _growths(grow)] == [["h.1"], ["h.2"]] and module.network.depth() == 3
     # the printed line (rank_zero_info) is not asserted here: an earlier test in the same worker can cut
     # Lightning's rank-zero logger off from caplog; the record it prints from is checked below
-    assert all(g["tolerance"] >= 1e-5 for g in grow.growths)  # float32's, times the logits' scale when above 1
+    assert all(g["tolerance"] >= 1e-5 for g in _growths(grow))  # float32's, times the logits' scale when above 1
     if insertion == "zero":
-        assert all(g["max_abs_change"] <= 1e-6 and g["function_preserving"] is True for g in grow.growths)
+        assert all(g["max_abs_change"] <= 1e-6 and g["function_preserving"] is True for g in _growths(grow))
     else:  # a copy changes the function, and says so
-        assert all(g["max_abs_change"] > 1e-3 and g["function_preserving"] is False for g in grow.growths)
+        assert all(g["max_abs_change"] > 1e-3 and g["function_preserving"] is False for g in _growths(grow))
     optimizer = trainer.optimizers[0]
     names = [g.get("name") for g in optimizer.param_groups]
     assert any(str(n).startswith("growth0") for n in names) and any(str(n).startswith("growth1") for n in names)
@@ -184,7 +196,6 @@ def test_a_fit_cut_mid_ramp_resumes_with_the_mask_where_it_was(insertion, tmp_pa
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from growtrain import GrowOnSchedule
     from growtrain.callbacks import RandomStateCheckpoint
 
     class Crash(L.Callback):
@@ -210,17 +221,17 @@ def test_a_fit_cut_mid_ramp_resumes_with_the_mask_where_it_was(insertion, tmp_pa
     fit(folder="cut", crash=True)
     shutil.copy(tmp_path / "cut" / "last.ckpt", tmp_path / "cut.ckpt")
     resumed, grow = fit(ckpt=str(tmp_path / "cut.ckpt"), folder="b")
-    assert resumed.network.depth() == 2 and len(grow._ramp) == 0  # ramped to 1 by step 8, the hook removed
+    assert resumed.network.depth() == 2 and len(grow.run._ramp) == 0  # ramped to 1 by step 8, the hook removed
     for p, q in zip(whole.state_dict().values(), resumed.state_dict().values()):
         if isinstance(p, torch.Tensor):
             assert torch.equal(p, q)  # the uninterrupted fit, bit for bit: the ramp went on where it was
-    record = grow.growths[0]
+    record = _growths(grow)[0]
     assert record == {"step": 2, "sites": ["h.1"], "depth": 2, "insertion": insertion, "max_abs_change": 0.0,
                       "tolerance": record["tolerance"], "function_preserving": True,
                       **({"zero": []} if insertion == "copy_ramp" else {})}  # m = 0: x + 0·(y − x) is x exactly
     saved = torch.load(tmp_path / "cut.ckpt", weights_only=False)
-    (state,) = [v for k, v in saved["callbacks"].items() if k.startswith("GrowOnSchedule")]
-    assert state["ramps"] == [{"k": 0, "start": 2}] and grow.state_dict()["ramps"] == []  # kept mid-ramp, dropped at 1
+    (state,) = [v["plan"] for k, v in saved["callbacks"].items() if k.startswith("GrowUntilSaturated")]
+    assert state["ramps"] == [{"k": 0, "start": 2}] and grow.state_dict()["plan"]["ramps"] == []  # kept mid-ramp, dropped at 1
     # the network's own state holds the mask the cut fit last trained with (step 3's: (3 − 2) / 6), a tensor
     mask = saved["state_dict"]["network.transformer.h.1.growtrain_mask"]
     assert isinstance(mask, torch.Tensor) and float(mask) == pytest.approx(1 / 6)
@@ -228,20 +239,18 @@ def test_a_fit_cut_mid_ramp_resumes_with_the_mask_where_it_was(insertion, tmp_pa
 
 
 def test_with_gradient_accumulation_a_growth_comes_right_after_an_optimizer_step(tmp_path, quiet_trainer_kwargs):
-    from growtrain import GrowOnSchedule
-
     grow = GrowOnSchedule(at=[2], verbose=False)
     module = _lm()
     trainer = _trainer(tmp_path, [grow], quiet_trainer_kwargs, max_steps=4, accumulate_grad_batches=2)
     trainer.fit(module, datamodule=_text_data())
-    assert [g["step"] for g in grow.growths] == [2] and trainer.global_step == 4
+    assert [g["step"] for g in _growths(grow)] == [2] and trainer.global_step == 4
     (block,) = grown_blocks(module.network)
     # two optimizer steps after the growth, each over two whole micro-batches: Adam counted 2 for the block
     assert {int(trainer.optimizers[0].state[p]["step"]) for p in block.parameters()} == {2}
 
 
 def test_bad_arguments_are_refused_with_the_fix(tmp_path, quiet_trainer_kwargs):
-    from growtrain import GrowOnSchedule, GrowUntilSaturated
+    from growtrain import GrowUntilSaturated
 
     for kwargs, match in (({"at": []}, "non-empty list"), ({"at": [0.5, 2]}, "all fractions"),
                           ({"at": [1.5]}, "all fractions"), ({"at": [0.4, 0.2]}, "strictly increasing"),
@@ -250,17 +259,16 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path, quiet_trainer_kwargs):
                           ({"at": [0.1], "ramp_steps": 0}, "ramp_steps")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             GrowOnSchedule(**kwargs)
-    trainer = _trainer(tmp_path, [GrowOnSchedule(at=[0.5]), GrowUntilSaturated(verbose=False)], quiet_trainer_kwargs,
-                       max_steps=2)  # fmt: skip
-    module = _lm()
-    with pytest.raises(ValueError, match="use one"):
-        trainer.fit(module, datamodule=_text_data())
-    assert module.network.depth() == 1
+    from growtrain import Plan
+
+    with pytest.raises(ValueError, match=r"decision: expected None with schedule=Plan\(\.\.\.\).*Fix: drop decision"):
+        GrowUntilSaturated(schedule=Plan(at=[0.5]), decision="trial")
+    with pytest.raises(ValueError, match="lr_schedule: expected None under schedule='plan'"):
+        GrowUntilSaturated(schedule=Plan(at=[0.5]), lr_schedule="anneal")
 
 
 @pytest.mark.parametrize("insertion", ["mask_ramp", "copy"])
 def test_a_hugging_face_decoder_grows_on_schedule(insertion, tmp_path, quiet_trainer_kwargs):
-    from growtrain import GrowOnSchedule
     from growtrain.hf import HFCausalLM
     from growtrain.hf.tiny import tiny_model
 
@@ -269,10 +277,10 @@ def test_a_hugging_face_decoder_grows_on_schedule(insertion, tmp_path, quiet_tra
     _trainer(tmp_path, [grow], quiet_trainer_kwargs, max_steps=4).fit(module, datamodule=_text_data())
     net = module.network
     assert net.depth() == 4 and net.config.num_hidden_layers == 4
-    (record,) = grow.growths
+    (record,) = _growths(grow)
     assert record["sites"] == ["layers.1", "layers.2"]  # one after each of the two layers
     if insertion == "mask_ramp":
-        assert record["max_abs_change"] <= 1e-5 and len(grow._ramp) == 2  # m = 2/3 at the end: both still masked
+        assert record["max_abs_change"] <= 1e-5 and len(grow.run._ramp) == 2  # m = 2/3 at the end: both still masked
         assert all(torch.count_nonzero(p) > 0 for b in grown_blocks(net) for p in net.terminal_parameters_of(b)
                    if p.dim() == 2)  # fmt: skip
     else:
@@ -295,7 +303,9 @@ def test_the_budget_config_is_the_studys_grow_copy_wsd_arm():
     arm = study.arm_spec("grow-copy-wsd")
     steps = study.steps_for(arm, 19.2e12)  # the study's default budget, as the config's comment says
     assert cfg["trainer"]["max_steps"] == steps
-    grow = next(c["init_args"] for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith("GrowOnSchedule"))
+    grow = next(c["init_args"] for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith("GrowUntilSaturated"))
+    grow = {**grow, **grow["schedule"]["init_args"]}  # the plan's options and the callback's insertion
+    assert grow["schedule"]["class_path"] == "growtrain.Plan"
     assert grow["at"] == arm["at"] and grow["site"] == arm["site"] and grow["insertion"] == arm["insertion"]
     assert grow["blocks"] == arm["blocks"] and arm["schedule"] == "wsd"
     model, data = cfg["model"]["init_args"], cfg["data"]["init_args"]
@@ -310,7 +320,6 @@ def test_the_budget_config_is_the_studys_grow_copy_wsd_arm():
 
 
 def test_the_budget_config_runs_and_grows_at_its_fractions(tmp_path):
-    from growtrain import GrowOnSchedule
     from growtrain.cli import GrowtrainCLI
 
     corpus = tmp_path / "corpus.txt"
@@ -324,9 +333,11 @@ def test_the_budget_config_runs_and_grows_at_its_fractions(tmp_path):
                              "--model.init_args.lr_scheduler.init_args.total_steps=20",
                              "--model.init_args.lr_scheduler.init_args.warmup_steps=1",
                              "--model.init_args.lr_scheduler.init_args.decay_steps=4"])  # fmt: skip
-    (grow,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, GrowOnSchedule)]
-    assert [(g["step"], g["sites"]) for g in grow.growths] == [(2, ["h.2"]), (4, ["h.3"]), (6, ["h.4"]), (8, ["h.5"])]
-    assert all(g["insertion"] == "copy" and g["max_abs_change"] > 0 for g in grow.growths)  # it says the output moved
+    from growtrain import GrowUntilSaturated
+
+    (grow,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, GrowUntilSaturated)]
+    assert [(g["step"], g["sites"]) for g in _growths(grow)] == [(2, ["h.2"]), (4, ["h.3"]), (6, ["h.4"]), (8, ["h.5"])]
+    assert all(g["insertion"] == "copy" and g["max_abs_change"] > 0 for g in _growths(grow))  # it says the output moved
     assert cli.model.network.depth() == 6 and cli.trainer.global_step == 20
 
 
@@ -336,7 +347,6 @@ def test_cyclic_growth_spreads_a_resnets_blocks_as_the_sweep_does_and_copies_onl
     a stage's first added block has only the stride-2 transition below it, so it starts at zero."""
     import lightning as L
 
-    from growtrain import GrowOnSchedule
     from growtrain.data import ImageDataModule
     from growtrain.module import ImageClassifier
 
@@ -352,18 +362,18 @@ def test_cyclic_growth_spreads_a_resnets_blocks_as_the_sweep_does_and_copies_onl
     net = model.network
     reference = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], added=7, family="basic", in_channels=3).network
     assert [len(net.stage(s)) for s in net.growable_stages] == [len(reference.stage(s)) for s in reference.growable_stages]
-    assert [g["sites"] for g in grow.growths] == [["layer1.1", "layer2.1"], ["layer3.1", "layer1.2"],
+    assert [g["sites"] for g in _growths(grow)] == [["layer1.1", "layer2.1"], ["layer3.1", "layer1.2"],
                                                   ["layer2.2", "layer3.2"], ["layer1.3"]]  # fmt: skip
     # the first block added to layer2 and layer3 had no block of its shape to copy: zero start, said so
-    assert [g["zero"] for g in grow.growths] == [["layer2.1"], ["layer3.1"], [], []]
-    assert grow.growths[0]["max_abs_change"] > 0  # layer1.1 is a copy of layer1.0: the function moved
+    assert [g["zero"] for g in _growths(grow)] == [["layer2.1"], ["layer3.1"], [], []]
+    assert _growths(grow)[0]["max_abs_change"] > 0  # layer1.1 is a copy of layer1.0: the function moved
     # four at once: the fourth wraps round to layer1, on top of the first
     L.seed_everything(0)
     again = GrowOnSchedule(at=[2], blocks=4, site="cyclic", insertion="zero", verbose=False)
     model = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3)
     L.Trainer(max_steps=3, callbacks=[again], logger=False, enable_progress_bar=False, enable_model_summary=False,
               enable_checkpointing=False, limit_val_batches=0, default_root_dir=tmp_path).fit(model, dm)  # fmt: skip
-    assert again.growths[0]["sites"] == ["layer1.1", "layer2.1", "layer3.1", "layer1.2"]
+    assert _growths(again)[0]["sites"] == ["layer1.1", "layer2.1", "layer3.1", "layer1.2"]
     assert [len(model.network.stage(s)) for s in model.network.growable_stages] == [3, 2, 2]
     # neighbour_block never offers the transition block (other tensors) as a source
     lone = ImageClassifier(width=4, num_classes=4, blocks=[1, 1, 1], family="basic", in_channels=3).network
@@ -397,15 +407,13 @@ def _untrained(model, trainer, before):
 
 
 @pytest.mark.parametrize(("site", "blocks", "match"), [
-    ("first", [1], r"site: GrowOnSchedule\(site='first'\) would insert a block at 'layer3\.0' at at\[0\] = 2 "
+    ("first", [1], r"Plan.site: Plan\(site='first'\) would insert a block at 'layer3\.0' at at\[0\] = 2 "
                    r"\(optimizer step 2\), .*expected one of 'layer3''s sites, layer3\.1 … layer3\.1 .*given "
                    r"'layer3\.0'\. Fix: site='last'"),
     # the second point's sites follow the first growth: layer3 has 2 blocks then, and 3 do not interleave
     ("interleave", [1, 3], r"blocks: site='interleave' .* grow at most 2 at once.*at\[1\] = 3 \(optimizer step 3\)"),
 ])  # fmt: skip
 def test_a_site_the_network_would_not_have_is_refused_at_fit_start_before_a_step(site, blocks, match, tmp_path):
-    from growtrain import GrowOnSchedule
-
     grow = GrowOnSchedule(at=[2, 3][: len(blocks)], blocks=blocks, site=site, verbose=False)
     model, dm, trainer = _resnet_fit(tmp_path, grow)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -416,36 +424,31 @@ def test_a_site_the_network_would_not_have_is_refused_at_fit_start_before_a_step
 
 def test_interleave_planned_over_the_growths_before_it_runs(tmp_path):
     """The check follows the plan's own growth: 2 blocks interleave in layer3 once the first point gave it 2."""
-    from growtrain import GrowOnSchedule
-
     grow = GrowOnSchedule(at=[2, 3], blocks=[1, 2], site="interleave", verbose=False)
     model, dm, trainer = _resnet_fit(tmp_path, grow)
     trainer.fit(model, dm)
-    assert [g["sites"] for g in grow.growths] == [["layer3.1"], ["layer3.1", "layer3.2"]]
+    assert [g["sites"] for g in _growths(grow)] == [["layer3.1"], ["layer3.1", "layer3.2"]]
     assert [len(model.network.stage(s)) for s in model.network.growable_stages] == [1, 1, 4]
 
 
 def test_an_integer_point_past_the_fit_is_refused_before_training(tmp_path):
-    from growtrain import GrowOnSchedule
-
     grow = GrowOnSchedule(at=[2, 5, 9], verbose=False)
     model, dm, trainer = _resnet_fit(tmp_path, grow, max_steps=4)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=r"at: the point\(s\) \[5, 9\] \(optimizer steps\) lie past this fit's 4 "
-                                         r"optimizer steps .*Expected every point ≤ 4; given at=\[2, 5, 9\]\. Fix: "):
+    with pytest.raises(ValueError, match=r"Plan.at: the point\(s\) \[5, 9\] \(optimizer steps\) lie past this fit's 4 "
+                                         r"optimizer steps .*Expected every point <= 4; given at=\(2, 5, 9\)\. Fix: "):
         trainer.fit(model, dm)
     _untrained(model, trainer, before)
     # at the fit's last step it still grows (after that step): 4 of 4 is inside the fit
     grow = GrowOnSchedule(at=[4], verbose=False)
     model, dm, trainer = _resnet_fit(tmp_path, grow, max_steps=4)
     trainer.fit(model, dm)
-    assert [g["step"] for g in grow.growths] == [4]
+    assert [g["step"] for g in _growths(grow)] == [4]
 
 
 # -- a checkpoint written mid-ramp -------------------------------------------------------------------------
 @pytest.mark.parametrize("insertion", ["mask_ramp", "copy_ramp"])
 def test_a_checkpoint_written_mid_ramp_loads_as_the_network_that_was_trained(insertion, tmp_path, quiet_trainer_kwargs):
-    from growtrain import GrowOnSchedule
     from growtrain.lm import LanguageModel
 
     grow = GrowOnSchedule(at=[2], insertion=insertion, ramp_steps=50, verbose=False)

@@ -113,7 +113,7 @@ FLAT_KEYS = [
       "min_stage_epochs": 2, "min_steps_between_checks": 890, "mode": "min", "monitor": "train_loss",
       "on_saturated": "stop", "patience": 3, "rule": "crossfit", "schedule": "periodic", "seed": 0, "t": None,
       "trial_epochs": 0.5}),
-    ({"decision": "rule", "rule": "paper", "t": 0.5},
+    ({"schedule": "converged", "decision": "rule", "rule": "paper", "t": 0.5},
      {"alpha": 0.05, "anneal_epochs": 10, "decision": "rule", "delta": 0.0, "every_n_epochs": 1, "lr_schedule": None,
       "max_growths": None, "max_params": None, "min_gain": None, "min_rel_delta": 0.01, "min_stage_epochs": 2,
       "mode": "min", "monitor": "train_loss", "on_saturated": "stop", "patience": 3, "rule": "paper",
@@ -131,7 +131,7 @@ def test_a_results_folder_keeps_its_key_across_the_grouping_of_the_options(optio
 
 def test_stopping_experiment_refuses_an_unfinished_growth_arm(tmp_path):
     model = ImageClassifier(width=4, num_classes=4)
-    kwargs = dict(max_epochs=1, callbacks=[GrowUntilSaturated(on_saturated="stop")])
+    kwargs = dict(max_epochs=1, callbacks=[GrowUntilSaturated(schedule="converged", on_saturated="stop")])
     with pytest.raises(ValueError, match="on_saturated: 'stop' ends the growth run unannealed"):
         run_stopping(model, tiny_dm(), trainer_kwargs=kwargs, depths=[0], seeds=[0], output_dir=tmp_path)
     with pytest.raises(ValueError, match="needs exactly one GrowUntilSaturated"):

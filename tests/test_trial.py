@@ -300,7 +300,7 @@ def test_the_trial_decision_grows_and_reports_every_verdict(tmp_path):
 
 
 @pytest.mark.parametrize("make, arg", [
-    (lambda: GrowUntilSaturated(decision="guess"), "decision"),
+    (lambda: GrowUntilSaturated(schedule="converged", decision="guess"), "decision"),
     (lambda: Trial(min_gain=None), r"Trial\.min_gain"),
     (lambda: Trial(epochs=0), r"Trial\.epochs"),
     (lambda: Trial(epochs=math.inf), r"Trial\.epochs"),
@@ -314,15 +314,15 @@ def test_the_trials_run_with_the_constants_that_replaced_their_options():
     from growtrain.trial import DEFAULT_TRIAL_EPOCHS, DEFAULT_TRIAL_LR, TRIAL_SITES
 
     assert (DEFAULT_TRIAL_LR, TRIAL_SITES) == (1e-3, 3)
-    trials = GrowUntilSaturated(decision=Trial(epochs=0.25))._trials
+    trials = GrowUntilSaturated(schedule="converged", decision=Trial(epochs=0.25))._trials
     assert (trials.lr, trials.sites, trials.epochs) == (DEFAULT_TRIAL_LR, 3, 0.25)
-    assert GrowUntilSaturated().decision.epochs == DEFAULT_TRIAL_EPOCHS
-    assert GrowUntilSaturated(decision="rule")._trials is None  # no trial without one to decide
+    assert GrowUntilSaturated(schedule="converged").decision.epochs == DEFAULT_TRIAL_EPOCHS
+    assert GrowUntilSaturated(schedule="converged", decision="rule")._trials is None  # no trial without one to decide
 
 
 def test_the_default_decision_is_the_trial_and_the_rule_is_asked_for_by_name():
-    assert GrowUntilSaturated().decision == Trial()
-    assert GrowUntilSaturated(decision="rule").decision == Rule()
+    assert GrowUntilSaturated(schedule="converged").decision == Trial()
+    assert GrowUntilSaturated(schedule="converged", decision="rule").decision == Rule()
 
 
 def _chance_inputs(y: torch.Tensor):

@@ -1,10 +1,9 @@
 """growtrain's Lightning callbacks, one job per module.
 
-- ``growth``: :class:`GrowUntilSaturated`, the probe-and-grow callback; its parts' options
-  (``growth_config``): when a check comes, :class:`Converged` or :class:`Periodic`, and what
-  decides, :class:`Trial`, :class:`StageFork` or :class:`Rule`;
-- ``budget``: :class:`GrowForBudget`, growth early in the fit's compute budget, decided by equal-FLOP forks;
-- ``scheduled``: :class:`GrowOnSchedule`, growth at set points of the step budget (no test);
+- ``growth``: :class:`GrowUntilSaturated`, the one growth callback; its parts' options
+  (``growth_config``): when, :class:`Budget` (the default), :class:`Converged`, :class:`Periodic` or
+  :class:`Plan`; what decides, :class:`BudgetFork`, :class:`Trial`, :class:`StageFork` or :class:`Rule`;
+  the budget's and the plan's own work in ``budget`` and ``scheduled``;
 - ``early_stopping``: :class:`TrainLossEarlyStopping`, the paper's stop on the training loss;
 - ``compute``: :class:`ComputeMeter`, batches, samples and estimated FLOPs of a fit;
 - ``gamma_plot``: :class:`GammaTracePlot`, ``gamma_trace.png`` from the growth checks at fit end;
@@ -12,14 +11,12 @@
 """
 
 from growtrain.callbacks._select import growth_callbacks
-from growtrain.callbacks.budget import GrowForBudget
 from growtrain.callbacks.compute import ComputeMeter, forward_flops
 from growtrain.callbacks.early_stopping import TrainLossEarlyStopping
 from growtrain.callbacks.gamma_plot import GammaTracePlot, save_gamma_trace
 from growtrain.callbacks.growth import GrowUntilSaturated
-from growtrain.callbacks.growth_config import Converged, Periodic, Rule, StageFork, Trial
+from growtrain.callbacks.parts import Budget, BudgetFork, Converged, Periodic, Plan, Rule, StageFork, Trial
 from growtrain.callbacks.rng_state import RandomStateCheckpoint
-from growtrain.callbacks.scheduled import GrowOnSchedule
 from growtrain.quiet import quiet_upstream_noise
 
 # a plain script (no growtrain CLI or trainer) that uses a growtrain callback: no Lightning tips or
@@ -27,13 +24,14 @@ from growtrain.quiet import quiet_upstream_noise
 quiet_upstream_noise()
 
 __all__ = [
+    "Budget",
+    "BudgetFork",
     "ComputeMeter",
     "Converged",
     "GammaTracePlot",
-    "GrowForBudget",
-    "GrowOnSchedule",
     "GrowUntilSaturated",
     "Periodic",
+    "Plan",
     "RandomStateCheckpoint",
     "Rule",
     "StageFork",

@@ -21,8 +21,8 @@ from growtrain.callbacks.probe_data import ProbeView, eval_output
 from growtrain.growable import grown_blocks, insertion_order, insertion_tolerance
 from growtrain.reconfigure import reconfigure_optimizer
 
-__all__ = ["FunctionChangedError", "ResumeGroups", "insertion_order", "grow", "optimizer_for", "regroup_grown",
-           "rewrap_ddp"]
+__all__ = ["FunctionChangedError", "ResumeGroups", "insertion_order", "grow", "optimizer_for", "output_change",
+           "regroup_grown", "rewrap_ddp"]
 
 
 class FunctionChangedError(RuntimeError):
@@ -49,9 +49,8 @@ def grow(trainer: Trainer, pl_module: LightningModule, network: nn.Module, block
             inserted.append(network.grow(name, block=blocks[name]))
         fsdp.shard_like_neighbours(network, inserted, root=pl_module)  # FSDP2: sharded like the neighbours
         after = eval_output(view, x)
-        change = float((after.float() - before.float()).abs().max()) if before.numel() else 0.0
-        tolerance = insertion_tolerance(before.dtype, float(before.float().abs().max()) if before.numel() else 1.0)
-        if not math.isfinite(change) or change > tolerance or after.shape != before.shape:
+        change, tolerance = output_change(before, after)
+        if not change <= tolerance or after.shape != before.shape:  # a NaN change is never within tolerance
             raise FunctionChangedError(
                 f"inserting blocks at {sites} changed the network's output on a probe batch by "
                 f"max|Δ|={change:.3g} > tolerance {tolerance:.3g} ({before.dtype}); the insertion was undone. "
@@ -74,6 +73,18 @@ def grow(trainer: Trainer, pl_module: LightningModule, network: nn.Module, block
         restart = bool(trainer.strategy.lr_scheduler_configs)
     (rewrap or rewrap_ddp)(trainer)
     return {"max_abs_change": change, "tolerance": tolerance, "growth_index": ks, "restart": restart}
+
+
+def output_change(before: Any, after: Any) -> tuple[float, float]:
+    """``(max|after − before|, tolerance)``: the one function-preservation check of every growth path
+    (an insertion here, a plan's copy, a fork's arm against the run). Preserved iff
+    ``change <= tolerance`` (``growtrain.growable.insertion_tolerance`` of the output's dtype and
+    scale); a NaN change (or outputs of another shape) is ``inf``, never within it."""
+    if before.shape != after.shape:
+        return math.inf, 0.0
+    change = float((after.float() - before.float()).abs().max()) if before.numel() else 0.0
+    tolerance = insertion_tolerance(before.dtype, float(before.float().abs().max()) if before.numel() else 1.0)
+    return (change if math.isfinite(change) else math.inf), tolerance
 
 
 def optimizer_for(trainer: Trainer, network: nn.Module | None):

@@ -43,14 +43,15 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import nn
 from torchmetrics import Metric
 
+from growtrain.batches import to_device
 from growtrain.callbacks.editor import optimizer_for
 from growtrain.callbacks.probe_check import forked_rng
-from growtrain.callbacks.probe_data import ProbeView, probe_sample_losses
+from growtrain.callbacks.probe_data import ProbeView, eval_output, probe_sample_losses
 from growtrain.callbacks.trial_check import trial_candidates
 from growtrain.fork import adopt, copy_optimizer, fork_test, fork_verdict, make_arm, mirror_lrs, warmup
 from growtrain.reconfigure import add_param_groups, new_param_groups
 
-__all__ = ["PairedFork", "swapped", "untouched", "cosine", "COOL_FRACTION", "WARMUP_FRACTION"]
+__all__ = ["PairedFork", "output_of", "swapped", "train_sides", "untouched", "cosine", "COOL_FRACTION", "WARMUP_FRACTION"]
 
 # The block's rate ramps up linearly over this fraction of the horizon (growtrain.fork.warmup says why).
 WARMUP_FRACTION = 0.5
@@ -97,6 +98,15 @@ def swapped(module: nn.Module, network: nn.Module, replacement: nn.Module) -> It
                     setattr(parent, child_name, network)
                 return
     raise RuntimeError("fork: the growable network is not a submodule of the LightningModule; the arm cannot run")
+
+
+def output_of(pl_module: Any, network: nn.Module, x: Any, module: nn.Module | None = None) -> Any:
+    """The network's output on ``x`` in eval mode, with ``module`` in its place (a fork's arm) if given."""
+    x = to_device(x, next(network.parameters()).device)
+    if module is None:
+        return eval_output(ProbeView(pl_module, network), x)
+    with swapped(pl_module, network, module) as host:
+        return eval_output(ProbeView(host, module), x)
 
 
 def _log_nothing(*args: Any, **kwargs: Any) -> None:
@@ -155,6 +165,27 @@ def _copy(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[n
 def _cpu(module: nn.Module) -> dict:
     # non-tensor entries (a growable network's growth record, its extra state) copied as they are
     return {k: v.detach().cpu().clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in module.state_dict().items()}
+
+
+def train_sides(trainer: Any, pl_module: Any, network: nn.Module, sides: list[nn.Module], batch: Any,
+                batch_idx: int) -> None:  # fmt: skip
+    """Forward and backward of every fork side (an arm, a cooled copy) on the batch the run just
+    trained on: the module's own ``training_step`` with the side in the network's place, its loss
+    divided by the trainer's gradient accumulation (each micro-batch counts as in the run's step),
+    on a fork of the random generators (a side's dropout must not move the run's). The module's own
+    parameters outside the network (a head the sides share) keep the run's gradients: under
+    accumulation Lightning zeroes them once per step, so what a side's backward added would reach
+    the run's next step. The one arm step every fork decision uses (``PairedFork``, ``BudgetRun``);
+    ``PairedFork._step`` then steps a side once the run has stepped."""
+    accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
+    mine = {id(p) for p in network.parameters()}
+    shared = [p for p in pl_module.parameters() if p.requires_grad and id(p) not in mine]
+    saved = [None if p.grad is None else p.grad.detach().clone() for p in shared]
+    with forked_rng(trainer, next(network.parameters()).device):
+        for module in sides:
+            PairedFork._train(trainer, pl_module, network, module, batch, batch_idx, accumulate)
+    for p, grad in zip(shared, saved):
+        p.grad = grad
 
 
 class PairedFork:
@@ -228,13 +259,14 @@ class PairedFork:
         return refs
 
     @staticmethod
-    def check_module(pl_module: Any) -> None:
+    def check_module(pl_module: Any, name: str = "stage_fork") -> None:
         """At setup, before training: the arm steps through the module's ``training_step``, which
         under manual optimization steps the run's own optimizer (``self.optimizers()``)."""
         if not getattr(pl_module, "automatic_optimization", True):
-            raise RuntimeError(f"decision: 'stage_fork' trains its arm through {type(pl_module).__name__}."
+            raise RuntimeError(f"decision: {name!r} trains its arm through {type(pl_module).__name__}."
                                "training_step, which under automatic_optimization=False would step the run's own "
-                               "optimizer. Fix: use automatic optimization, or decision='trial'.")  # fmt: skip
+                               "optimizer. Fix: use automatic optimization, or schedule='converged' with "
+                               "decision='trial'.")  # fmt: skip
 
     def first_sites(self, report: Any) -> list[str] | None:
         """Where a fork opens after a growth or at the first check: the best first-order site of every stage."""
@@ -334,21 +366,10 @@ class PairedFork:
         if self.arm is None:  # a resumed fit: the arm of the checkpoint
             self._rebuild(pl_module, network, optimizer_for(trainer, network))
             self._last_step = int(trainer.global_step) - 1
-        accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
         length = self.cool_length(horizon_steps)
         cooling = self.cool is not None and self.cool_steps < (length or 0)  # once annealed, it waits for the check
         sides = [self.arm] + ([m for m, _ in self.cool] if cooling else [])
-        # The module's own parameters outside the network (a head the copies share) keep their gradients: under
-        # gradient accumulation Lightning zeroes them once per step, so what a copy's backward added would reach
-        # the run's next step. And on a fork of the random generators: a copy's dropout must not move the run's.
-        mine = {id(p) for p in network.parameters()}
-        shared = [p for p in pl_module.parameters() if p.requires_grad and id(p) not in mine]
-        saved = [None if p.grad is None else p.grad.detach().clone() for p in shared]
-        with forked_rng(trainer, next(network.parameters()).device):
-            for module in sides:
-                self._train(trainer, pl_module, network, module, batch, batch_idx, accumulate)
-        for p, grad in zip(shared, saved):
-            p.grad = grad
+        train_sides(trainer, pl_module, network, sides, batch, batch_idx)
         stepped = int(trainer.global_step) != self._last_step  # the run stepped its optimizer on this batch
         if stepped:
             self._last_step = int(trainer.global_step)

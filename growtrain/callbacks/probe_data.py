@@ -235,30 +235,12 @@ def check_split_indices(dm: Any) -> None:
         )
 
 
-class Fingerprinted:
-    """Iterates ``loader`` unchanged and keeps the per-sample fingerprints of the last complete
-    pass (``signatures``): min_gain pairs losses by sample, so it must know which samples it saw."""
-
-    def __init__(self, loader: Iterable):
-        self.loader = loader
-        self.signatures: torch.Tensor | None = None
-
-    def __iter__(self):
-        from growtrain.gain import sample_signatures
-
-        parts = []
-        for batch in self.loader:
-            parts.append(sample_signatures(batch))  # on the batch's device: no host copy per batch
-            yield batch
-        self.signatures = torch.cat(parts).cpu() if parts else torch.zeros(0, dtype=torch.float64)
-
-
 def probe_sample_losses(trainer: Any, view: "ProbeView", probe: Any, loss_fn: Any, device: torch.device, *,
-                        fingerprints: bool = False, collective: bool = False,
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """Every probe sample's loss (float64, on the host, in the probe's order) and, with
-    ``fingerprints``, their fingerprints — the same tensors on every rank, computed under the
-    trainer's precision as a training step's forward is.
+                        collective: bool = False) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """Every probe sample's loss (float64, on the host, in the probe's order) — the same tensor on
+    every rank, computed under the trainer's precision as a training step's forward is. Returned as
+    ``(losses, None)``: the callers (budget.py, fork_check.py) still unpack the pair the per-sample
+    fingerprints, now removed, were the second element of.
 
     Under DDP each rank scores only its shard (``ShardSampler``: positions ``r, r+w, ...``) and the
     shards are all-gathered and put back in order: a rank does 1/w of the work and no rank's result
@@ -268,15 +250,13 @@ def probe_sample_losses(trainer: Any, view: "ProbeView", probe: Any, loss_fn: An
     world = int(getattr(trainer, "world_size", 1))
     sharded = world > 1 and not collective
     loader = shard_loader(probe, trainer.global_rank, world) if sharded else probe
-    source = Fingerprinted(loader) if fingerprints else loader
     with trainer.precision_plugin.forward_context():
-        losses = per_sample_losses(view, Converted(source, trainer), loss_fn, device)
-    signatures = source.signatures if fingerprints else None
+        losses = per_sample_losses(view, Converted(loader, trainer), loss_fn, device)
     if not sharded:
-        losses, signatures = losses.double().cpu(), None if signatures is None else signatures.double().cpu()
+        losses = losses.double().cpu()
         if world > 1:  # FSDP2: rank 0's vector on every rank, one decision even if a kernel is not bit-reproducible
-            losses, signatures = trainer.strategy.broadcast((losses, signatures), src=0)
-        return losses, signatures
+            losses = trainer.strategy.broadcast(losses, src=0)
+        return losses, None
     n = len(probe.dataset)
     per_rank = -(-n // world)  # the longest shard; shorter ones are padded for the all-gather
 
@@ -289,7 +269,7 @@ def probe_sample_losses(trainer: Any, view: "ProbeView", probe: Any, loss_fn: An
             full[r::world] = rows[r, : len(range(r, n, world))]
         return full
 
-    return gather(losses), None if signatures is None else gather(signatures)
+    return gather(losses), None
 
 
 def random_order(loader: Any) -> str | None:
@@ -308,8 +288,7 @@ def random_order(loader: Any) -> str | None:
 
 def refuse_random_probe(loader: Any, name: str) -> None:
     """A decision that pairs each probe sample's loss (the trial's before and after, the fork's
-    two sides) needs the same samples in the same order: a shuffling probe is refused at setup (one
-    that changes otherwise is refused at the check, by its samples' fingerprints)."""
+    two sides) needs the same samples in the same order: a shuffling probe is refused at setup."""
     why = random_order(loader)
     if why is not None:
         raise ValueError(

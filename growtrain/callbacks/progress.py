@@ -117,7 +117,7 @@ def progress_for(trainer: Any) -> Steps:
 
 def _length(iterable: Any) -> int | None:
     """Batches in ``iterable``: its ``len``, else that of the loader it wraps (``Converted``,
-    ``Fingerprinted``: ``.loader``), else ``None``."""
+    ``counted``: ``.loader``), else ``None``."""
     for _ in range(8):  # a short chain of wrappers, never a cycle
         try:
             n = len(iterable)

@@ -24,7 +24,9 @@ epoch or after the epoch's validation, as the quickstart's ``last.ckpt``; tested
 and under 2-process DDP, ``tests/test_rng_state.py``). Not covered, and said here so nobody relies
 on it: a checkpoint written mid-epoch (its states are set at ``on_train_start``, the best
 available, but Lightning restarts the epoch's iterator, so the batches differ anyway);
-persistent DataLoader workers (their own generators live in the worker processes; the order of
+a fit bounded by ``max_steps`` resumed from an epoch-end checkpoint (Lightning resumes it "on epoch
+end", and the next epoch's batches differ; measured 2026-12-08, tests/test_budget.py bounds its
+resume by ``max_epochs`` for this reason); persistent DataLoader workers (their own generators live in the worker processes; the order of
 the samples is restored, random augmentations inside the workers are not); random draws in
 ``on_train_epoch_start`` hooks that run after this callback's (the LightningModule's own); and
 ``reload_dataloaders_every_n_epochs`` (the uninterrupted fit makes the epoch's iterator twice).

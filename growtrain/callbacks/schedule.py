@@ -165,7 +165,41 @@ class CheckSchedule:
                     "cut the anneal short. Fix: give the loader a length (or set limit_train_batches), or bound the fit "
                     "by max_epochs.")  # fmt: skip
         return no_room(trainer.max_epochs, trainer.current_epoch, self.anneal.epochs, self.on_saturated, finished,
-                       **self._steps(trainer))  # fmt: skip
+                       **self._steps(trainer)) or self.no_check(trainer, finished)  # fmt: skip
+
+    def earliest_check(self) -> tuple[int, str]:
+        """Epochs a stage trains before its first possible check, and why: a converged stage at least
+        ``min_stage_epochs`` long whose monitor went ``patience`` epochs without improving (after the
+        epoch that set its best), then — with ``lr_schedule="anneal"`` — annealed over ``anneal_epochs``;
+        a periodic one ``every_n_epochs``."""
+        if self.kind == "periodic":
+            return (self.every_n_epochs or 1), f"every_n_epochs={self.every_n_epochs}"
+        plateau = max(self.min_stage_epochs, self.monitor.patience + 1)
+        why = f"min_stage_epochs={self.min_stage_epochs} and patience={self.monitor.patience} (a plateau: {plateau})"
+        if self.lr_schedule == "anneal":
+            return plateau + self.anneal.epochs, f"{why}, then the stage anneal's anneal_epochs={self.anneal.epochs}"
+        return plateau, why
+
+    def no_check(self, trainer: Any, finished: str | None) -> str | None:
+        """At the start of training: why this fit ends before even one check can come, with what
+        would do, or ``None`` (a fit counted in steps that the loader's length cannot turn into
+        epochs is not judged here)."""
+        if finished is not None or self.min_steps_between_checks is not None:
+            return None
+        steps = self._steps(trainer)
+        budget = _epochs_left(trainer.max_epochs, trainer.current_epoch - 1, steps.get("max_steps"),
+                              steps.get("global_step", 0), steps.get("per_epoch"))  # fmt: skip
+        if budget is None:
+            return None
+        left, name, which = budget
+        reserved = self.anneal.epochs if _anneal_follows(self.on_saturated, finished) else 0
+        need, why = self.earliest_check()
+        if left - reserved >= need:
+            return None
+        tail = f" and {reserved} for the final anneal" if reserved else ""
+        return (f"{which} leaves {left} epoch(s), but the first check cannot come before {need} epoch(s) of training "
+                f"({why}){tail}: the fit would train to its end without a check. Fix: raise {name} to allow "
+                f"{need + reserved} epoch(s), or lower those settings (e.g. a shorter anneal_epochs).")  # fmt: skip
 
     @staticmethod
     def _steps(trainer: Any) -> dict:

@@ -13,8 +13,8 @@ What is scored: the probe alone — samples split off the training data by datas
 neither the network nor the trial ever trains on. ``check_probe_independent`` refuses a probe
 that shares a dataset index with the training loader, at the start of training and again at every
 trial (a loader reloaded since could). Training samples are never scored: the network before the
-trial was trained on them, and with augmentation no fingerprint tells a new crop of a sample from
-another sample (docs/decision.md, "The decision study").
+trial was trained on them, and with augmentation a new crop of a sample cannot be told from another
+sample (docs/decision.md, "The decision study").
 
 Under DDP every rank trains the same block (its gradients are averaged) and rank 0's verdict is
 broadcast, so every rank takes the same action. Under FSDP2 the trial block is sharded like its

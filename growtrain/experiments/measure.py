@@ -52,7 +52,7 @@ from growtrain.experiments.runs import (
     read_checkpoint,
     rich_table,
 )
-from growtrain.decision import DEFAULT_RULE, DEFAULT_TAU
+from growtrain.decision import DEFAULT_RULE
 from growtrain.report import verdict_words
 from growtrain.saturation import SaturationReport, measure_saturation
 
@@ -259,7 +259,7 @@ def differences(last: dict, report: SaturationReport, *, seed: int, t: float | N
     if last.get("rule") is not None and last["rule"] != report.rule:
         reasons.append(f"rule: that check's was {last['rule']!r}, this report's {report.rule!r}: the verdict and its "
                        "margin differ, and Γ̂ and σ̂² through the candidates' calibration (on the whole probe under "
-                       "the paper's rule, on half A under the cross-fit rules)")  # fmt: skip
+                       "the paper's rule, on half A under the cross-fit rule)")  # fmt: skip
     if last.get("delta") is not None and last["delta"] != report.delta:
         reasons.append(f"δ: that check's was {last['delta']:g}, this report's {report.delta:g}: δ+t differs")
     return reasons
@@ -376,7 +376,6 @@ def run_measure(
     alpha: float = 0.05,
     t: float | None = None,
     rule: str | None = None,
-    tau: float = DEFAULT_TAU,
     projected: bool = True,
     seed: int = 0,
     output_dir: str | Path | None = None,
@@ -406,7 +405,7 @@ def run_measure(
     network = growable_of(model)
     probe = datamodule.probe_dataloader()
     report = measure_saturation(
-        network, probe, probe_loss_of(model), delta=delta, alpha=alpha, t=t, rule=rule, tau=tau, projected=projected,
+        network, probe, probe_loss_of(model), delta=delta, alpha=alpha, t=t, rule=rule, projected=projected,
         seed=seed, variance=True,  # the measurement reports σ̂² and the paper's figures under every rule
     )
     example = next(iter(probe))[0].to(network.neighbour_tensor(network.sites()[0]).device)

@@ -19,8 +19,7 @@ whose mean test loss is within one standard error of the best depth's; per growt
 depth, why it stopped, test loss and compute (FLOPs, wall time) beside scratch at ``d*`` and the
 whole sweep's cost. Rows are resumable (``runs.jsonl``): rerunning the same command skips done
 rows. ``stopping.png`` draws the sweep's test loss against depth with the found depths marked,
-and each growth seed's certified gain per check (with ``min_gain``; else the first seed's
-relative-rule ratio).
+and each growth seed's certified gain per check (with ``min_gain``).
 """
 
 from __future__ import annotations
@@ -49,15 +48,16 @@ __all__ = ["StoppingResult", "run_stopping", "smallest_good_depth", "stopped_by"
 
 # GrowUntilSaturated options that change only the growth decision, not a scratch run (a scratch run
 # never grows, so what happens to the learning rate around a growth, lr_schedule, does not touch it).
-DECISION_OPTIONS = ("rule", "alpha", "delta", "t", "max_growths", "max_params", "seed", "lr_schedule", "min_gain",
+DECISION_OPTIONS = ("rule", "alpha", "delta", "t", "max_growths", "seed", "lr_schedule", "min_gain",
                     "decision", "trial_epochs")  # fmt: skip
 # Options added after folders of results were written, with their default: left out of the file's
-# fingerprint while at it, so those folders resume (min_steps_between_checks: the ninth session).
-NEW_OPTIONS = {"min_steps_between_checks": None}
+# fingerprint while at it, so those folders resume (min_steps_between_checks: 2026-12-03, commit 22a9790).
+NEW_OPTIONS = {"min_steps_between_checks": None, "insertion": "zero"}
 # The fields of the schedule the callback does not have, as the flat options every folder was keyed by
 # before the options were grouped into the schedule and decision parts (their defaults then).
+# (max_params, an option then, keys every folder as None: the folders written with it resume.)
 FLAT_DEFAULTS = {"monitor": "train_loss", "mode": "min", "patience": 3, "min_rel_delta": 0.01, "min_stage_epochs": 2,
-                 "every_n_epochs": 1, "min_steps_between_checks": None}  # fmt: skip
+                 "every_n_epochs": 1, "min_steps_between_checks": None, "max_params": None}  # fmt: skip
 
 
 def smallest_good_depth(by_depth: dict[int, list[float]]) -> tuple[int, int]:
@@ -300,7 +300,7 @@ def _train(module, datamodule, kwargs, root: Path, keep, grower: GrowUntilSatura
            seed: int, extra=()) -> dict:  # fmt: skip
     meter = ComputeMeter()
     trainer = sibling_trainer(kwargs, root, keep=keep, extra_callbacks=[meter, grower, *extra])
-    # A training cut short (a killed session) resumes from its last epoch checkpoint: the growth
+    # A training cut short (a killed process) resumes from its last epoch checkpoint: the growth
     # callback, the compute meter and the optimizer are in it, so the row is the one an
     # uninterrupted run writes (its wall_s counts the resumed part only).
     last = sorted((root / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)

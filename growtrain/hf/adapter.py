@@ -159,8 +159,8 @@ def _refusal(model: nn.Module, allow_frozen: bool) -> str | None:
 
 class _TerminalParameters:
     """``layer.terminal_parameters()`` for a Hugging Face decoder layer: its ``V`` (attention and
-    MLP output projections, each weight then bias), the contract ``growtrain.growable`` and the
-    probe's relative rule read from *existing* blocks. A plain callable instance attribute, not a
+    MLP output projections, each weight then bias), the contract ``growtrain.growable`` reads from
+    every block, the existing ones too. A plain callable instance attribute, not a
     method or submodule: the layer keeps its class, its ``state_dict`` and ``save_pretrained``
     output; ``deepcopy`` maps ``layer`` to the copy."""
 
