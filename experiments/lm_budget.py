@@ -13,7 +13,7 @@ FlopCounterMode, as ComputeMeter does): a deeper network takes fewer optimizer s
   grow-*-wsd       an early arm under warmup-stable-decay (its scratch reference: scratch-6-wsd)
   growto-N[-INS][-pPP]  the growth frontier: 2 blocks → N under WSD, one block on top at a time, evenly
                    spaced so the last lands at PP % of the steps (default 40), insertion INS (default copy)
-  budget[-x|-steps][-fF][-cC][-pP][-zero|-copyzero]  the budget schedule (GrowUntilSaturated(schedule=Budget())) from 2 blocks on scratch-2's steps: C decisions (4)
+  budget[-x|-steps][-fF][-cC][-pP][-zero|-copyzero|-copyramp]  the budget schedule (GrowUntilSaturated(schedule=Budget())) from 2 blocks on scratch-2's steps: C decisions (4)
                    over the first P % (40), each a fork over F ‰ of the budget (20) judged on its equal-FLOP gain;
                    -x: on the gain carried to the budget's end; -steps: the equal-steps gain less the price of
                    fewer steps on the run's curve (statistic="steps"; -eNN: its curve exponent NN/100); -zero: the zero insertion (default copy); it drives WSD itself
@@ -89,6 +89,8 @@ def arm_spec(arm: str) -> dict:
                 opts["insertion"] = "zero"
             elif part == "copyzero":  # the copy with its terminal map at zero (function-preserving)
                 opts["insertion"] = "copy_zero"
+            elif part == "copyramp":  # the copy behind a mask ramped 0 → 1 over the fork's first quarter
+                opts["insertion"] = "copy_ramp"
             elif part[0] == "f":
                 opts["fork"] = int(part[1:]) / 1000
             elif part[0] == "c":

@@ -140,14 +140,16 @@ def steps_cost(steps: torch.Tensor, losses: torch.Tensor, *, end_run: float, end
 
     ``steps``/``losses`` (1-D, same length): the run's optimizer steps and their training losses over a
     recent window; they are averaged in ``bins`` equal runs of steps first (one step's loss is one
-    batch's: noisy). A curve that does not fall (``A ≤ 0``) prices fewer steps at 0: more steps would not
+    batch's: noisy; fewer bins when the window has fewer than ``2·bins`` pairs). A curve that does not fall (``A ≤ 0``) prices fewer steps at 0: more steps would not
     have lowered it either."""
     s = steps.detach().double().flatten()
     y = losses.detach().double().flatten()
     keep = torch.isfinite(y) & (s > 0)
     s, y = s[keep], y[keep]
-    if s.numel() < 2 * bins:
-        raise ValueError(f"steps_cost: expected at least {2 * bins} (step, loss) pairs to fit the curve, got "
+    # a fork after a growth is shorter (a deeper network takes fewer steps for the same FLOPs): fewer bins then
+    bins = min(bins, s.numel() // 2)
+    if bins < 2:
+        raise ValueError(f"steps_cost: expected at least 4 (step, loss) pairs to fit the curve, got "
                          f"{s.numel()}. Fix: a longer fork (more steps in the window)")  # fmt: skip
     order = torch.argsort(s)
     chunks = torch.tensor_split(order, bins)

@@ -29,7 +29,7 @@ import os
 import lightning as L
 import torch
 
-from growtrain.callbacks import GrowUntilSaturated, StageFork, Trial, editor
+from growtrain.callbacks import Budget, BudgetFork, GrowUntilSaturated, StageFork, Trial, editor
 from growtrain.data import ImageDataModule
 from growtrain.growable import grown_blocks
 from growtrain.module import ImageClassifier
@@ -92,7 +92,8 @@ class AfterCheck(L.Callback):
             torch.save(blocks[0].state_dict(), os.path.join(self.out, f"inserted{trainer.global_rank}.pt"))
 
 
-def fit(out: str, epochs: int, same_buffers: bool, trial_gain: float | None = None, fork: bool = False) -> None:
+def fit(out: str, epochs: int, same_buffers: bool, trial_gain: float | None = None, fork: bool = False,
+        budget: bool = False) -> None:
     os.makedirs(out, exist_ok=True)
     from growtrain.callbacks import probe_data
 
@@ -110,6 +111,9 @@ def fit(out: str, epochs: int, same_buffers: bool, trial_gain: float | None = No
     if fork:  # the stage fork: each rank's arm steps on its own batches, gradients averaged; every fork "pays"
         decision = {"decision": StageFork(min_gain=0.0), "on_saturated": "continue"}
     grow = GrowUntilSaturated(schedule="periodic", rule="crossfit", max_growths=2, **decision, verbose=False)
+    if budget:  # the default schedule: its forks at 30 % and 60 % of the budget, each over 10 % of it
+        grow = GrowUntilSaturated(schedule=Budget(checks=2, growth_phase=0.6), decision=BudgetFork(fork=0.1),
+                                  verbose=False)  # fmt: skip
     snapshot = Snapshot(out, same_buffers)
     trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_epochs=epochs,
                         callbacks=[snapshot, grow, AfterCheck(out, snapshot.info)],
@@ -144,6 +148,7 @@ def main() -> None:
     parser.add_argument("--no-rewrap", action="store_true", help="break DDP re-wrapping (the test's negative control)")
     parser.add_argument("--then-no-rewrap", metavar="OUT",
                         help="afterwards, in the same processes, the --no-rewrap fit into OUT (saves a launch)")
+    parser.add_argument("--then-budget", metavar="OUT", help="afterwards, the budget schedule (every decision grows) into OUT")
     parser.add_argument("--then-fork", metavar="OUT", help="afterwards, decision='stage_fork' (every fork adopted) into OUT")
     parser.add_argument("--then-trial", metavar="OUT", nargs=2,
                         help="afterwards, the trial decision: an impossible min_gain into OUT1, min_gain=0 into OUT2")
@@ -169,6 +174,11 @@ def main() -> None:
         fork_check.fork_verdict = lambda test, **k: real(test, **k) if test is None else replace(
             real(test, **k), saturated=False, site=k["site"])  # fmt: skip
         fit(args.then_fork, 4, False, fork=True)
+    if args.then_budget:
+        from growtrain.callbacks import budget as budget_part
+
+        budget_part.budget_verdict = lambda lower, upper, margin: (True, False)  # every decision adopts its arm
+        fit(args.then_budget, 50, False, budget=True)
 
 
 if __name__ == "__main__":

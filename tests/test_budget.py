@@ -110,7 +110,7 @@ def test_verdict_grows_only_on_a_lower_bound_above_the_margin():
 @pytest.mark.parametrize("kwargs, match", [
     ({"fork": 0.0}, "BudgetFork.fork: expected a fraction"), ({"checks": 0}, "Budget.checks: expected an integer"),
     ({"insertion": "mask"}, "insertion: expected one of"), ({"min_gain": -0.1}, "BudgetFork.min_gain: expected"),
-    ({"insertion": "copy_ramp"}, "insertion: expected 'copy_zero'"), ({"lr_schedule": "anneal"}, "lr_schedule: expected None"),
+    ({"insertion": "mask_ramp"}, "insertion: expected 'copy_zero'"), ({"lr_schedule": "anneal"}, "lr_schedule: expected None"),
     ({"statistic": "guess"}, "BudgetFork.statistic: expected one of"),
     ({"growth_phase": 0.7, "fork": 0.2}, "before the decay"),
 ])  # fmt: skip
@@ -315,8 +315,11 @@ def test_steps_cost_against_the_curve_written_out():
     assert steps_cost(s, noisy, end_run=9000.0, end_arm=6000.0)[1] == pytest.approx(30.0, rel=0.1)
     assert steps_cost(s, torch.full_like(s, 1.5), end_run=9000.0, end_arm=6000.0)[0] == 0.0
     assert steps_cost(s, 1.2 - 3.0 * s.pow(-0.5), end_run=9000.0, end_arm=6000.0)[0] == 0.0  # a rising curve
-    with pytest.raises(ValueError, match="at least 32"):
-        steps_cost(s[:10], y[:10], end_run=9000.0, end_arm=6000.0)
+    # a short window (a fork after a growth): fewer bins, the same exact curve recovered; too few pairs refused
+    short, a_short = steps_cost(s[:10], y[:10], end_run=9000.0, end_arm=6000.0)
+    assert a_short == pytest.approx(3.0, rel=1e-6) and short == pytest.approx(cost, rel=1e-6)
+    with pytest.raises(ValueError, match="at least 4"):
+        steps_cost(s[:3], y[:3], end_run=9000.0, end_arm=6000.0)
 
 
 def test_steps_statistic_refuses_a_training_step_without_its_loss(quiet_trainer_kwargs):
@@ -402,3 +405,28 @@ def test_a_fit_cut_while_a_budget_fork_is_open_resumes_into_the_same_decisions(t
     assert resumed.run.spent == pytest.approx(whole.run.spent) and resumed.finished == whole.finished
     for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b) if torch.is_tensor(a) else a == b, name
+
+
+def test_copy_ramp_starts_the_arm_as_the_run_and_ramps_the_copy_in_within_the_fork(quiet_trainer_kwargs, monkeypatch):
+    """insertion="copy_ramp": the arm's copied block behind a mask at 0 (the arm measured as the run's
+    function), the mask at arm_steps / (a quarter of the fork) after each arm step, gone before the run
+    adopts the arm: the grown network holds a plain block, no mask."""
+    from growtrain.masks import mask_value
+
+    seen = []
+
+    class Masks(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            run = cb.run
+            if run.fork_state is not None and run._ramped:
+                seen.append((run.fork_state["arm_steps"], run.fork_state["arm_target"], mask_value(run._ramped[0])))
+
+    monkeypatch.setattr(budget_cb, "budget_verdict", lambda lower, upper, margin: (True, False))
+    cb = GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, insertion="copy_ramp")
+    _, model = _fit(cb, 400, quiet_trainer_kwargs, model=_lm(depth=2), extra=[Masks()])
+    (record,) = _records(cb)
+    assert record["function_preserving"] is True and record["max_abs_change"] == 0.0
+    ramp = seen[0][1] // 4
+    assert all((m is None) == (k >= ramp) for k, _, m in seen)
+    assert all(m == pytest.approx(k / ramp) for k, _, m in seen if m is not None) and seen[-1][2] is None
+    assert model.network.depth() == 3 and not any(k.endswith("growtrain_mask") for k in model.state_dict())

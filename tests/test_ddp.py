@@ -84,11 +84,12 @@ def _results(proc: subprocess.Popen, out: Path) -> list[dict]:
 def ddp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp")
     proc = _launch(root / "sync", "--same-buffers", "--then-no-rewrap", str(root / "no_rewrap"),
-                   "--then-trial", str(root / "trial_fail"), str(root / "trial_grow"), "--then-fork", str(root / "fork"))
+                   "--then-trial", str(root / "trial_fail"), str(root / "trial_grow"), "--then-fork", str(root / "fork"),
+                   "--then-budget", str(root / "budget"))
     read = lambda name: [json.loads((root / name / f"rank{r}.json").read_text()) for r in (0, 1)]  # noqa: E731
     return {"sync": (_results(proc, root / "sync"), root / "sync"), "no_rewrap": (read("no_rewrap"), root / "no_rewrap"),
             "trial_fail": (read("trial_fail"), None), "trial_grow": (read("trial_grow"), None),
-            "fork": (read("fork"), root / "fork")}  # fmt: skip
+            "fork": (read("fork"), root / "fork"), "budget": (read("budget"), root / "budget")}  # fmt: skip
 
 
 def test_the_fork_trains_one_arm_on_every_rank_and_adopts_it_alike(ddp_runs):
@@ -103,6 +104,19 @@ def test_the_fork_trains_one_arm_on_every_rank_and_adopts_it_alike(ddp_runs):
     assert r0["checksum"] == r1["checksum"]
     # the fork's two sides were scored shard by shard (46 / 45 samples a rank), then gathered
     assert r0["scored_per_pass"] and set(r0["scored_per_pass"]) == {46} and set(r1["scored_per_pass"]) == {45}
+
+
+def test_the_budget_default_takes_the_same_decisions_on_every_rank(ddp_runs):
+    """The default schedule under DDP: each rank's arm steps on its own batches (every micro-batch,
+    gradients averaged), rank 0's figures decide, every rank adopts the same arm and reports the same
+    Γ̂_n (the probe pass all-reduces its sums): the ranks end with identical parameters."""
+    (r0, r1), _ = ddp_runs["budget"]
+    assert [h["action"] for h in r0["history"]] == ["grow", "grow"] == [h["action"] for h in r1["history"]]
+    assert [h["budget"] for h in r0["history"]] == [h["budget"] for h in r1["history"]]
+    assert [h["gamma"] for h in r0["history"]] == [h["gamma"] for h in r1["history"]]
+    assert all(h["budget"]["function_preserving"] for h in r0["history"])  # copy_zero: the arm started as the run
+    assert r0["growth_log"] == r1["growth_log"] and len(r0["growth_log"]) == 6  # a block per stage, twice
+    assert r0["checksum"] == r1["checksum"]
 
 
 def test_a_failed_trial_leaves_every_rank_bit_for_bit_as_it_was(ddp_runs):

@@ -42,7 +42,7 @@ from growtrain.callbacks.probe_check import forked_rng
 from growtrain.callbacks.probe_data import Converted, ProbeView, first_input, probe_sample_losses
 from growtrain.fork import adopt, fork_test, make_arm
 from growtrain.growable import grown_blocks
-from growtrain.insertion import start_block
+from growtrain.insertion import attach_mask, mask_value, set_mask, start_block
 from growtrain.budget import plan_problem
 from growtrain.reconfigure import add_param_groups, new_param_groups
 
@@ -64,7 +64,8 @@ def _ema_init(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def _averaged(module: nn.Module, ema: dict[str, torch.Tensor]) -> nn.Module:
     twin = copy.deepcopy(module)
-    twin.load_state_dict({**twin.state_dict(), **ema})
+    state = twin.state_dict()  # a ramp's mask, removed at 1, is averaged while it lasts and left out after
+    twin.load_state_dict({**state, **{k: v for k, v in ema.items() if k in state}})
     return twin
 
 
@@ -76,6 +77,7 @@ class BudgetRun:
     def __init__(self, cb: Any):
         self.cb = cb
         self._flops: dict[int, float] = {}  # forward FLOPs per sample, by parameter count
+        self._ramped: list[nn.Module] = []  # copy_ramp: the arm's blocks behind a mask
         self.reset()
 
     def reset(self) -> None:
@@ -231,8 +233,20 @@ class BudgetRun:
         # fit resumed with a fork open (which builds it again) would see other batches than the uninterrupted one
         with forked_rng(trainer, next(network.parameters()).device):
             self.arm, self.arm_opt, _, _ = make_arm(network, optimizer, sites, seed, new_groups=groups)
+        self._ramped = []
         for block in grown_blocks(self.arm)[-len(sites):]:
-            start_block(self.arm, block, self.cb.insertion)  # a stage's first added block has no copy: it stays zero
+            # a stage's first added block has no copy: it stays zero
+            if start_block(self.arm, block, self.cb.insertion) and self.cb.insertion == "copy_ramp":
+                attach_mask(block, 0.0)  # the copy behind a mask at 0: the arm starts as the run's function
+                self._ramped.append(block)
+
+    def _ramp_to(self, arm_steps: int) -> None:
+        """``copy_ramp``: the arm's masks at ``arm_steps`` of a ramp over the fork's first quarter (so the
+        arm the run adopts holds plain blocks: a mask at 1 is removed)."""
+        ramp = max(1, self.fork_state["arm_target"] // 4)
+        for block in self._ramped:
+            if mask_value(block) is not None:
+                set_mask(block, min(1.0, arm_steps / ramp))
 
     def _open(self, trainer: Any, pl_module: Any, x: torch.Tensor) -> None:
         start = time.perf_counter()
@@ -252,6 +266,7 @@ class BudgetRun:
                            # equal steps under "steps" (capacity compared; the steps' price comes later)
                            "arm_target": fork_steps(self.plan.fork_flops, run_step if steps else arm_step),
                            "last_step": int(trainer.global_step)}  # fmt: skip
+        self._ramp_to(0)
         self.ema = {"run": _ema_init(network), "arm": _ema_init(self.arm)}
         self.next_point += 1
         self.cb.add_seconds(time.perf_counter() - start)
@@ -268,6 +283,7 @@ class BudgetRun:
         f = self.fork_state
         self._build(trainer, pl_module, f["sites"], seed=self.cb.seed * 1000 + f["k"])
         self.arm.load_state_dict({**self.arm.state_dict(), **self._pending["arm"]})
+        self._ramp_to(f["arm_steps"])  # a mask where the checkpoint had it, or gone once the ramp was done
         if self.arm_opt is not None and self._pending.get("arm_opt") is not None:
             self.arm_opt.load_state_dict(self._pending["arm_opt"])
         device = next(self.cb._network.parameters()).device
@@ -296,6 +312,7 @@ class BudgetRun:
         if training:
             PairedFork._step(trainer, self.arm, self.arm_opt)
             f["arm_steps"] += 1
+            self._ramp_to(f["arm_steps"])
             _ema_update(self.ema["arm"], self.arm, 1.0 - 4.0 / max(4.0, f["arm_target"]))
             if f["arm_steps"] == max(1, f["arm_target"] // 2):  # the arm halfway (in its FLOPs): kept until the run's
                 self.ema["arm_half"] = {k: v.clone() for k, v in self.ema["arm"].items()}
@@ -339,6 +356,9 @@ class BudgetRun:
                  "max_abs_change": f["max_abs_change"], "tolerance": f["tolerance"],
                  "lower_frac": judged["lower_frac"], "upper_frac": judged["upper_frac"],
                  "gain_frac": judged["gain_frac"], **{f"{s}_{k}": v for s, d in figures.items() if d for k, v in d.items()}}  # fmt: skip
+        if trainer.world_size > 1:  # rank 0's record too (each rank measured the arm's start on its own BatchNorm stats)
+            entry = trainer.strategy.broadcast(entry, src=0)
+            f.update({k: entry[k] for k in ("function_preserving", "max_abs_change", "tolerance")})
         said = _sentence(f, figures, what, self.cb.insertion, self.cb.alpha)
         if grow:
             kept = "function-preserving" if f["function_preserving"] else "NOT function-preserving"

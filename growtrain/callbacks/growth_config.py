@@ -167,9 +167,10 @@ class GrowthConfig:
             raise _bad("insertion", f"'zero' under schedule={kind!r} (its checks score and insert the zero-output "
                        "candidates of the first-order probe)", insertion,
                        "drop insertion, or pass schedule=Budget() / Plan(...) to start blocks as copies")  # fmt: skip
-        if kind == "budget" and insertion in ("mask_ramp", "copy_ramp"):
-            raise _bad("insertion", "'copy_zero', 'copy' or 'zero' under schedule=Budget() (a ramped block's mask "
-                       "would outlive the fork that measured it)", insertion, "pass insertion='copy_zero'")  # fmt: skip
+        if kind == "budget" and insertion == "mask_ramp":
+            raise _bad("insertion", "'copy_zero', 'copy_ramp', 'copy' or 'zero' under schedule=Budget() (a fresh "
+                       "block behind a mask is not a copy of a trained one: MSG's insertion is a plan's)", insertion,
+                       "pass insertion='copy_zero'")  # fmt: skip
         object.__setattr__(self, "insertion", insertion)
 
     def _check_driven(self, kind: str) -> None:
