@@ -230,12 +230,19 @@ def main(args: ArgsType = None, cli_class: type[LightningCLI] = GrowtrainCLI) ->
 
     Returns None: the console-script wrapper passes the return value to ``sys.exit``. An error in
     the config's values (raised while its classes are built, or a bad ``ckpt_path`` file) is one
-    ``error:`` line and exit status 2, like a parse error; everything else keeps its traceback.
+    ``error:`` line and exit status 2, like a parse error; a data set that is neither on disk nor
+    downloadable is one ``error:`` line naming the file and the fix (status 1); everything else keeps
+    its traceback.
     """
     quiet_upstream_noise()
     try:
         cli_class(args=args)
     except Exception as error:
+        from growtrain.data.formats import DatasetNotFoundError
+
+        if isinstance(error, DatasetNotFoundError):  # a missing archive and no network: the file and the fix
+            sys.stderr.write(f"error: {error}\n")
+            raise SystemExit(1) from None
         if not getattr(error, "_growtrain_config_error", False):
             raise
         sys.stderr.write(f"error: {error}\n")

@@ -126,18 +126,38 @@ def test_no_top_level_optimizer_key(tmp_path, capsys):
 
 def test_resnet_config_is_the_paper_recipe():
     cli = GrowtrainCLI(args=[f"--config={CONFIGS / 'resnet.yaml'}", "--trainer.logger=false"], run=False)
-    assert cli.trainer.max_epochs == 300 and cli.datamodule.batch_size == 128
+    assert cli.trainer.max_epochs == 1800 and cli.datamodule.batch_size == 128  # 300 epochs a stage, 6 stages
     assert cli.datamodule.dataset == "cifar10" and cli.model.network.fc.out_features == 10
     config = cli.model.configure_optimizers()
     optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
     assert optimizer.defaults["lr"] == 0.1 and optimizer.defaults["momentum"] == 0.9
     assert optimizer.defaults["weight_decay"] == 5e-4
     assert dict(scheduler.milestones) == {100: 1, 150: 1} and scheduler.gamma == 0.1
-    (stopper,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "TrainLossEarlyStopping"]
-    assert (stopper.start_epoch, stopper.patience, abs(stopper.min_delta)) == (180, 30, 1e-4)
+    # it grows: each stage by Table 5's protocol, checked once converged (its early stopping is the plateau)
+    (grow,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "GrowUntilSaturated"]
+    when = grow.schedule
+    assert (when.kind, when.monitor, when.patience, when.min_stage_epochs) == ("converged", "train_loss", 30, 180)
+    assert (grow.lr_schedule, grow.decision.name, grow.max_growths, grow.on_saturated) == ("restart", "trial", 5, "stop")
+    assert cli.trainer.max_epochs >= 300 * (1 + grow.max_growths)
     best, latest = [c for c in cli.trainer.callbacks if type(c).__name__ == "ModelCheckpoint"]
     assert (best.monitor, best.save_top_k, best.filename) == ("train_loss", 1, "best_train")  # best_train ...
     assert (latest.monitor, latest.save_last) == (None, "link")  # ... and last
+
+
+def test_a_missing_archive_without_network_is_one_line_naming_the_file_and_the_fix(tmp_path, monkeypatch, capsys):
+    import urllib.request
+
+    def offline(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    with pytest.raises(SystemExit) as error:
+        main(["fit", f"--config={CONFIGS / 'resnet.yaml'}", f"--data.root={tmp_path / 'cifar10'}",
+              f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false", "--trainer.max_epochs=1"])
+    assert error.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: download of ") and "Traceback" not in "\n".join(err)
+    assert err[-1].endswith(f"Fix: download it by hand and put it at {tmp_path / 'cifar10' / 'cifar-10-python.tar.gz'}.")
 
 
 def test_help_exits_cleanly(capsys):
