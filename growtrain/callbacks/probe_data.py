@@ -294,8 +294,8 @@ def refuse_random_probe(loader: Any, name: str) -> None:
         raise ValueError(
             f"{name}: min_gain compares every probe sample's loss at one time with its loss at another, so the probe "
             f"must yield the same samples in the same order at every check, but {why}. Fix: build the probe loader "
-            "with shuffle=False (the order does not matter to the saturation score), or pass decision='rule' (the "
-            "first-order rule alone needs no pairing)."
+            "with shuffle=False (the order does not matter to the saturation score), or pass schedule='converged', "
+            "decision='rule' (the first-order rule alone needs no pairing)."
         )
 
 
