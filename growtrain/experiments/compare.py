@@ -401,7 +401,8 @@ class _Runner:
         growth = self.log.get(key)
         if growth is None:
             configured = growth_callbacks(self.kwargs.get("callbacks"))
-            extra = [] if configured else [GrowUntilSaturated(on_saturated="continue")]
+            # none configured: the paper's protocol (Table 1 grows at converged stages), not the budget default
+            extra = [] if configured else [GrowUntilSaturated(schedule="converged", on_saturated="continue")]
             if any(cb.on_saturated == "stop" for cb in configured):
                 warnings.warn(
                     "compare: GrowUntilSaturated(on_saturated='stop') ends the growth arm's training when saturated, "
