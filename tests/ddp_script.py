@@ -92,6 +92,9 @@ class AfterCheck(L.Callback):
             torch.save(blocks[0].state_dict(), os.path.join(self.out, f"inserted{trainer.global_rank}.pt"))
 
 
+JUDGED: list[list[float]] = []  # the budget's decisions: the (lower, upper) fractions budget_verdict was given
+
+
 def fit(out: str, epochs: int, same_buffers: bool, trial_gain: float | None = None, fork: bool = False,
         budget: bool = False) -> None:
     os.makedirs(out, exist_ok=True)
@@ -136,6 +139,11 @@ def fit(out: str, epochs: int, same_buffers: bool, trial_gain: float | None = No
         "scored_per_pass": scored,
         **snapshot.info,
     }
+    if budget:  # the budget's FLOPs as this rank counted them, and the figures each of its decisions judged
+        result["budget_run"] = {"total_flops": grow.run.plan.total_flops, "spent": grow.run.spent,
+                                "global_step": int(trainer.global_step), "judged": list(JUDGED),
+                                "stepping_batches": int(trainer.estimated_stepping_batches),
+                                "train_samples": len(data.train_dataloader().dataset)}  # fmt: skip
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1)
 
@@ -177,7 +185,8 @@ def main() -> None:
     if args.then_budget:
         from growtrain.callbacks import budget as budget_part
 
-        budget_part.budget_verdict = lambda lower, upper, margin: (True, False)  # every decision adopts its arm
+        # every decision adopts its arm; the (lower, upper) it judged is kept: each rank must judge rank 0's
+        budget_part.budget_verdict = lambda lower, upper, margin: JUDGED.append([lower, upper]) or (True, False)
         fit(args.then_budget, 50, False, budget=True)
 
 

@@ -110,7 +110,7 @@ def test_verdict_grows_only_on_a_lower_bound_above_the_margin():
 @pytest.mark.parametrize("kwargs, match", [
     ({"fork": 0.0}, "BudgetFork.fork: expected a fraction"), ({"checks": 0}, "Budget.checks: expected an integer"),
     ({"insertion": "mask"}, "insertion: expected one of"), ({"min_gain": -0.1}, "BudgetFork.min_gain: expected"),
-    ({"insertion": "mask_ramp"}, "insertion: expected 'copy_zero'"), ({"lr_schedule": "anneal"}, "lr_schedule: expected None"),
+    ({"insertion": "mask_ramp"}, "insertion: expected 'copy_ramp'"), ({"lr_schedule": "anneal"}, "lr_schedule: expected None"),
     ({"statistic": "guess"}, "BudgetFork.statistic: expected one of"),
     ({"growth_phase": 0.7, "fork": 0.2}, "before the decay"),
 ])  # fmt: skip
@@ -222,9 +222,9 @@ def test_copy_insertion_copies_the_block_below(quiet_trainer_kwargs, monkeypatch
     _fit(zero, 400, quiet_trainer_kwargs)
     assert not all(torch.equal(new, below) for new, below in made[0].values())
     assert _records(zero)[0]["function_preserving"] is True
-    made.clear()  # the default: the block below's tensors, the terminal map (both c_proj) at zero
-    default = GrowForBudget(checks=1, growth_phase=0.2, fork=0.1)
-    assert default.insertion == "copy_zero"
+    made.clear()  # copy_zero: the block below's tensors, the terminal map (both c_proj) at zero
+    assert GrowForBudget(checks=1, growth_phase=0.2, fork=0.1).insertion == "copy_ramp"  # the default: below
+    default = GrowForBudget(checks=1, growth_phase=0.2, fork=0.1, insertion="copy_zero")
     _fit(default, 400, quiet_trainer_kwargs)
     terminal = {k for k in made[0] if k.endswith(("attn.c_proj.weight", "attn.c_proj.bias", "mlp.c_proj.weight",
                                                       "mlp.c_proj.bias"))}  # fmt: skip
@@ -260,6 +260,15 @@ def test_the_decision_judges_the_gain_it_was_asked_to(quiet_trainer_kwargs, monk
     assert judged == [(record[key + "lower_frac"], record[key + "upper_frac"])]
     assert record["carried_lower_frac"] != record["fork_lower_frac"]
     assert (record["lower_frac"], record["upper_frac"]) == judged[0]  # the judged figures, recorded as the decision's
+    # every statistic's "carried" figures: the fork's gain carried on from halfway (where the run's probe loss was
+    # higher: it trained on) linearly in log FLOPs, m doublings of the fork past the FLOPs spent at its opening
+    assert record["half_loss_before"] > record["fork_loss_before"]
+    m = math.log2(max(1.0 - record["spent"], 0.1) / 0.1)
+    assert record["carried_log2_horizon"] == pytest.approx(m)
+    half = record["half_gain_frac"] * record["half_loss_before"] / record["fork_loss_before"]
+    fork = record["fork_gain_frac"]
+    assert record["carried_gain_frac"] == pytest.approx(fork + m * (fork - half), abs=1e-9)
+    assert record["carried_lower_frac"] < record["carried_gain_frac"] < record["carried_upper_frac"]
     if statistic == "steps":  # the price comes off the fork's own bounds, and only there
         assert record["steps_cost_frac"] > 0  # the run's loss falls over 400 steps: fewer steps cost
         # the equal-steps gain carried from halfway to the end, on to the deeper network's last step
@@ -373,16 +382,19 @@ class _StopAtEpochEnd(Callback):
             trainer.should_stop = True
 
 
-def test_a_fit_cut_while_a_budget_fork_is_open_resumes_into_the_same_decisions(tmp_path, quiet_trainer_kwargs):
+@pytest.mark.parametrize("insertion", ["copy_zero", "copy_ramp"])
+def test_a_fit_cut_while_a_budget_fork_is_open_resumes_into_the_same_decisions(tmp_path, quiet_trainer_kwargs,
+                                                                                insertion):  # fmt: skip
     """The open fork (the arm's weights and optimizer state, both sides' averages, the halfway scores),
     the FLOPs spent and the run's curve travel in the checkpoint: cut halfway through the first fork,
     the resumed fit makes the uninterrupted fit's decisions with the same figures and ends on the same
-    weights."""
+    weights. Under copy_ramp the cut comes after the ramp (a quarter of the fork) ended: the rebuilt arm
+    holds the plain block, not a new mask at 0."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def fit(folder, extra=(), ckpt=None):
         L.seed_everything(0)
-        cb = GrowForBudget(checks=2, growth_phase=0.5, fork=0.1, verbose=False)
+        cb = GrowForBudget(checks=2, growth_phase=0.5, fork=0.1, insertion=insertion, verbose=False)
         every = ModelCheckpoint(dirpath=tmp_path / folder, save_last=True, every_n_epochs=1, save_top_k=-1)
         # bounded by max_epochs: a max_steps fit resumed from an epoch-end checkpoint does not redraw that epoch's
         # batches exactly (RandomStateCheckpoint's limits, growtrain/callbacks/rng_state.py)
@@ -396,6 +408,9 @@ def test_a_fit_cut_while_a_budget_fork_is_open_resumes_into_the_same_decisions(t
     assert [h["budget"]["opened_step"] for h in whole.history][0] == 100  # the first fork: steps 100 → 140
     cut, _ = fit("cut", extra=[_StopAtEpochEnd(2)])  # the end of epoch 2 is step 120: halfway through it
     assert cut.history == [] and cut.run.fork_state is not None
+    if insertion == "copy_ramp":  # the copy was ramped in, its mask gone by the cut
+        assert cut.run._ramped and cut.run.fork_state["arm_steps"] > cut.run.fork_state["arm_target"] // 4
+        assert all(budget_cb.mask_value(b) is None for b in cut.run._ramped)
     resumed, again = fit("resumed", ckpt=str(tmp_path / "cut" / "last.ckpt"))
     keep = ("check", "step", "action", "sites", "depth", "gamma", "threshold", "budget", "reason")
     got, want = [{k: h[k] for k in keep} for h in resumed.history], [{k: h[k] for k in keep} for h in whole.history]
@@ -430,3 +445,64 @@ def test_copy_ramp_starts_the_arm_as_the_run_and_ramps_the_copy_in_within_the_fo
     assert all((m is None) == (k >= ramp) for k, _, m in seen)
     assert all(m == pytest.approx(k / ramp) for k, _, m in seen if m is not None) and seen[-1][2] is None
     assert model.network.depth() == 3 and not any(k.endswith("growtrain_mask") for k in model.state_dict())
+
+
+# -- audit additions: accumulation, the carried figures, the rate's steps, a copy_ramp resume ---------------
+def test_under_gradient_accumulation_the_budget_and_the_fork_count_every_micro_batch(quiet_trainer_kwargs,
+                                                                                      monkeypatch):  # fmt: skip
+    """accumulate_grad_batches=2: an optimizer step is 2 batches, so the budget is the fit's optimizer steps
+    × 2 batches' FLOPs (counted on a fresh network), the fork's run side trains its fraction of the optimizer
+    steps, and the arm trains on every micro-batch (2 forward-backward passes per arm step), each charged."""
+    passes = []
+    real = budget_cb.train_sides
+    monkeypatch.setattr(budget_cb, "train_sides", lambda *a, **k: passes.append(1) or real(*a, **k))
+    cb = GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, statistic="carried")
+    _fit(cb, 200, {**quiet_trainer_kwargs, "accumulate_grad_batches": 2})
+    (record,) = _records(cb)
+    assert cb.run.plan.total_flops == pytest.approx(200 * 2 * _step_flops(1))
+    assert record["run_steps"] == round(0.1 * 200)  # 20 optimizer steps, 40 batches
+    assert abs(record["run_steps"] * _step_flops(1) - record["arm_steps"] * _step_flops(2)) <= _step_flops(2)
+    assert len(passes) == 2 * record["arm_steps"]  # 2 passes per arm step: a fork opens at a step's boundary
+    scoring = 2 * record["n"] * (_step_flops(1) + _step_flops(2)) / (3 * BATCH)  # halfway and final, both sides
+    assert cb.run.decision_flops == pytest.approx(len(passes) * _step_flops(2) + scoring, rel=1e-6)
+
+
+def test_under_gradient_accumulation_every_arm_step_trains_on_all_its_micro_batches(quiet_trainer_kwargs,
+                                                                                     monkeypatch):  # fmt: skip
+    passes = []
+    real = budget_cb.train_sides
+    monkeypatch.setattr(budget_cb, "train_sides", lambda *a, **k: passes.append(1) or real(*a, **k))
+    cb = GrowForBudget(checks=1, growth_phase=0.3, fork=0.1, statistic="carried")
+    _fit(cb, 200, {**quiet_trainer_kwargs, "accumulate_grad_batches": 2})
+    (record,) = _records(cb)
+    assert len(passes) == 2 * record["arm_steps"]
+
+
+def test_under_accumulation_the_curve_keeps_every_batch_the_steps_price_reads():
+    """The steps price fits the run's curve from one fork's length before the fork to its decision (two fork
+    lengths of optimizer steps); under accumulate_grad_batches=4 every batch of them must still be kept."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    run = budget_cb.BudgetRun(SimpleNamespace(schedule=Budget(), decision=BudgetFork(fork=0.1)))
+    run._total_steps, fork, acc = 200, 20, 4  # a fork of 0.1 × 200 = 20 optimizer steps
+    for step in range(200):
+        for _ in range(acc):
+            run._record_loss(SimpleNamespace(global_step=step, accumulate_grad_batches=acc), torch.tensor(1.0))
+        kept = Counter(a for a, _ in run.curve)
+        assert all(kept[s] == acc for s in range(max(0, step - 2 * fork), step + 1)), step
+
+
+def test_the_rate_follows_the_steps_when_smaller_batches_lag_the_flops():
+    """A smaller last batch spends fewer FLOPs than the step the budget was priced on: the rate follows the
+    fit's optimizer steps then, so the fit's last step is at the budget's end rate (min_lr_ratio), annealed."""
+    from types import SimpleNamespace
+
+    run = budget_cb.BudgetRun(SimpleNamespace(schedule=Budget(), decision=BudgetFork()))
+    run.plan = BudgetPlan(total_flops=1000.0, steps=100, growth_phase=0.3, checks=3, fork=0.03, decay=0.2,
+                          warmup=0.01, min_lr_ratio=0.1)  # fmt: skip
+    run._total_steps, run.spent = 100, 900.0  # 90 % of the FLOPs at the fit's last step
+    assert run.rate(SimpleNamespace(global_step=100)) == pytest.approx(0.1)
+    # FLOPs ahead of the steps (a deeper network spends faster): the FLOPs
+    assert run.rate(SimpleNamespace(global_step=50)) == pytest.approx(wsd_fraction(0.9, warmup=0.01, decay=0.2,
+                                                                                  min_lr_ratio=0.1))  # fmt: skip

@@ -114,9 +114,38 @@ def test_the_budget_default_takes_the_same_decisions_on_every_rank(ddp_runs):
     assert [h["action"] for h in r0["history"]] == ["grow", "grow"] == [h["action"] for h in r1["history"]]
     assert [h["budget"] for h in r0["history"]] == [h["budget"] for h in r1["history"]]
     assert [h["gamma"] for h in r0["history"]] == [h["gamma"] for h in r1["history"]]
-    assert all(h["budget"]["function_preserving"] for h in r0["history"])  # copy_zero: the arm started as the run
+    assert all(h["budget"]["function_preserving"] for h in r0["history"])  # copy_ramp: the arm started as the run
     assert r0["growth_log"] == r1["growth_log"] and len(r0["growth_log"]) == 6  # a block per stage, twice
     assert r0["checksum"] == r1["checksum"]
+
+
+def test_the_budget_counts_every_ranks_samples_and_every_rank_judges_rank_0s_figures(ddp_runs):
+    """The budget under DDP is the fit's optimizer steps of a batch on each of the 2 ranks (a step's FLOPs
+    counted by FlopCounterMode on a freshly built network), spent to its end before max_epochs ends the fit
+    (every rank's samples are charged); each rank's "steps" price is fitted on its own batches' curve, so
+    every decision judges rank 0's figures: the same (lower, upper) on both ranks."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    (r0, r1), _ = ddp_runs["budget"]
+    net = ImageClassifier(width=4, num_classes=4).network.eval()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        net(torch.zeros(1, 3, 8, 8))
+    per_step = 3.0 * counter.get_total_flops() * 32 * 2  # a rank's batch of 32, on 2 ranks
+    for r in (r0, r1):
+        run = r["budget_run"]
+        assert run["total_flops"] == pytest.approx(run["stepping_batches"] * per_step)
+        assert run["spent"] >= run["total_flops"] * (1 - 1e-9) and run["global_step"] < run["stepping_batches"]
+    assert len(r0["budget_run"]["judged"]) == 2 and r0["budget_run"]["judged"] == r1["budget_run"]["judged"]
+    # the first decision opens once both ranks' batches (a rank's share of the epoch in batches of 32, the training
+    # loader dropping its last, smaller one) reach 30 % of the budget (Budget(checks=2, growth_phase=0.6))
+    run = r0["budget_run"]
+    sizes = [32] * (math.ceil(run["train_samples"] / 2) // 32)
+    assert len(sizes) * 50 == run["stepping_batches"]  # 50 epochs
+    spent, step = 0.0, 0
+    while spent < 0.3 * run["total_flops"] * (1 - 1e-9):
+        spent += 3.0 * counter.get_total_flops() * sizes[step % len(sizes)] * 2
+        step += 1
+    assert r0["history"][0]["budget"]["opened_step"] in (step, step + 1)  # the point itself rounded either way
 
 
 def test_a_failed_trial_leaves_every_rank_bit_for_bit_as_it_was(ddp_runs):

@@ -323,3 +323,21 @@ def test_replay_growth_rebuilds_the_architecture(family):
         replay_growth(other, net.growth_log)
     with pytest.raises(ValueError, match="already has"):
         replay_growth(net, net.growth_log[:2])
+
+
+def test_output_change_is_the_largest_change_against_the_outputs_own_scale():
+    """editor.output_change, the one function-preservation check: max|after − before| against float32's
+    tolerance times the output's scale (above 1); outputs of another shape, or a NaN, are never preserved."""
+    import math
+
+    from growtrain.callbacks.editor import output_change
+
+    before = torch.tensor([[0.5, -1.0, 0.25]])
+    assert output_change(before, before + torch.tensor([[0.0, 0.003, -0.001]])) == (pytest.approx(0.003, rel=1e-4), 1e-5)
+    big = 200.0 * before  # max|output| 200: the tolerance scales with it
+    change, tolerance = output_change(big, big.clone())
+    assert change == 0.0 and tolerance == pytest.approx(200 * 1e-5)
+    assert output_change(before, before.expand(2, 3)) == (math.inf, 0.0)  # broadcastable, still another shape
+    nan = before.clone()
+    nan[0, 1] = float("nan")
+    assert output_change(before, nan)[0] == math.inf

@@ -203,3 +203,26 @@ def test_a_cli_config_gets_the_part_its_class_path_names(given, want):
     grow = parser.instantiate(parser.parse_object({"grow": given | {"verbose": False}})).grow
     assert (grow.schedule, grow.decision) == want
     assert type(grow.schedule) is type(want[0]) and type(grow.decision) is type(want[1])
+
+
+# -- audit additions: the combinations GrowthConfig refuses, each in both directions -------------------------
+@pytest.mark.parametrize("kw, match", [
+    ({"schedule": "budget", "decision": "trial"}, r"decision: expected 'budget_fork' exactly under schedule=Budget"),
+    ({"schedule": "converged", "decision": "budget_fork"}, r"decision: expected 'budget_fork' exactly under"),
+    ({"schedule": "budget", "on_saturated": "stop"}, r"on_saturated: expected None under schedule='budget'"),
+    ({"schedule": "periodic", "insertion": "copy"}, r"insertion: expected 'zero' under schedule='periodic'"),
+    ({"schedule": "converged", "insertion": "copy_zero"}, r"insertion: expected 'zero' under schedule='converged'"),
+])  # fmt: skip
+def test_a_schedule_refuses_the_parts_it_cannot_drive(kw, match):
+    with pytest.raises(ValueError, match=match):
+        GrowUntilSaturated(**kw)
+
+
+def test_a_budgets_warmup_and_end_rate_are_fractions_in_0_1_closed_at_0():
+    from growtrain.callbacks import Budget
+
+    assert Budget(warmup=0, min_lr_ratio=0).warmup == 0.0  # no warmup, a decay to 0: allowed
+    assert isinstance(Budget(warmup=0).warmup, float)
+    for field, value in (("warmup", -0.01), ("warmup", 1.0), ("min_lr_ratio", -0.1), ("min_lr_ratio", 1.0)):
+        with pytest.raises(ValueError, match=rf"Budget.{field}: expected a fraction in \[0, 1\)"):
+            Budget(**{field: value})

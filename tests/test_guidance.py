@@ -369,3 +369,25 @@ def test_a_fit_too_short_for_one_check_says_so_before_the_first_step(tmp_path, s
             assert f"Fix: raise max_epochs to allow {need} epoch(s)" in said[0] and grow.history == []
         else:
             assert said == [] and [h["epoch"] for h in grow.history][:1] == [need - 1]
+
+
+def test_a_fit_too_short_for_one_check_and_its_final_anneal_says_so_before_the_first_step(tmp_path):
+    """on_saturated='anneal' reserves the final anneal: every_n_epochs=5 and anneal_epochs=3 need 8 epochs;
+    7 warns before training (naming the anneal's share and 8), 8 is silent and checks in epoch 5."""
+    import warnings
+
+    for max_epochs in (7, 8):
+        first = _FirstStep()
+        grow = GrowUntilSaturated(schedule=Periodic(every_n_epochs=5, anneal_epochs=3), decision="rule",
+                                  on_saturated="anneal", verbose=False)  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first.caught = caught
+            _trainer(tmp_path, [grow, first], max_epochs=max_epochs, limit_train_batches=2).fit(
+                ImageClassifier(width=4, in_channels=3, num_classes=4), _dm())
+        said = [w for w in first.before if "the first check cannot come before" in w]
+        if max_epochs == 7:
+            assert len(said) == 1 and "max_epochs=7 leaves 7 epoch(s)" in said[0] and "and 3 for the final anneal" in said[0]
+            assert "Fix: raise max_epochs to allow 8 epoch(s)" in said[0]
+        else:
+            assert said == [] and [h["epoch"] for h in grow.history][:1] == [4]

@@ -170,6 +170,7 @@ def test_grows_at_the_fractions_with_fresh_optimizer_state(insertion, tmp_path, 
         trainer.fit(module, datamodule=_text_data())
     assert grow.run.steps == [3, 6] and [g["step"] for g in _growths(grow)] == [3, 6]
     assert [g["sites"] for g in _growths(grow)] == [["h.1"], ["h.2"]] and module.network.depth() == 3
+    assert [h["depth_before"] for h in grow.history] == [1, 2] and grow.inserted == 2  # each record's depth before it
     # the printed line (rank_zero_info) is not asserted here: an earlier test in the same worker can cut
     # Lightning's rank-zero logger off from caplog; the record it prints from is checked below
     assert all(g["tolerance"] >= 1e-5 for g in _growths(grow))  # float32's, times the logits' scale when above 1
@@ -511,3 +512,15 @@ def test_the_periodic_configs_growth_budget_comment_counts_blocks_right():
     assert "growth events" in comment
     row = next(ln for ln in (root / "docs" / "callback.md").read_text().splitlines() if ln.startswith("| `max_growths`"))
     assert "growth events" in row and "one per growth" not in row
+
+
+def test_several_blocks_on_top_at_one_point_go_in_one_after_another(tmp_path, quiet_trainer_kwargs):
+    """Plan(blocks=2, site="last"): the two blocks stack on top (h.1, then h.2 on the grown stage), not
+    refused as a site past the stage's end."""
+    from growtrain.callbacks.scheduled import plan_growth
+
+    assert plan_growth(["h"], {"h": 1}, 0, 2, "last") == [["h.1"], ["h.2"]]
+    grow = GrowOnSchedule(at=[2], blocks=2, site="last", verbose=False)
+    module = _lm()
+    _trainer(tmp_path, [grow], quiet_trainer_kwargs, max_steps=4).fit(module, datamodule=_text_data())
+    assert [g["sites"] for g in _growths(grow)] == [["h.1", "h.2"]] and module.network.depth() == 3

@@ -95,6 +95,7 @@ class BudgetRun:
         self.half: torch.Tensor | None = None  # the probe losses halfway: (run, arm) per sample
         self._pending: dict | None = None
         self._total_steps = 0
+        self._seen_step = -1  # trainer.global_step at the last batch end: it moves where the run stepped
 
     @property
     def schedule(self):
@@ -197,10 +198,13 @@ class BudgetRun:
         self.spent += 3.0 * self._per_sample(pl_module, x) * int(x.shape[0]) * max(1, trainer.world_size)
         if self.decision.statistic == "steps":
             self._record_loss(trainer, outputs)
+        stepped, self._seen_step = int(trainer.global_step) != self._seen_step, int(trainer.global_step)
         if self.fork_state is not None:
             self._fork_step(trainer, pl_module, batch, batch_idx, x)
-        elif (self.cb.finished is None and self.next_point < self.schedule.checks
+        elif (stepped and self.cb.finished is None and self.next_point < self.schedule.checks
               and self.spent >= self.plan.point_flops(self.next_point)):  # fmt: skip
+            # only right after an optimizer step: a fork opened mid-accumulation would train its first step on
+            # the step's last micro-batches alone
             self._open(trainer, pl_module, x)
         if self.spent >= self.plan.total_flops * (1 - 1e-9):
             trainer.should_stop = True

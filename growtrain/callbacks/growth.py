@@ -80,8 +80,9 @@ class GrowUntilSaturated(StageChecks, RunParts, Callback):
             ``Periodic(...)`` (``"periodic"``) or ``Plan(at=...)``: each part's options on the part.
         decision: ``BudgetFork(...)`` (under ``Budget``), ``Trial(...)``, ``StageFork(...)`` (under
             ``Periodic``) or ``Rule()``; ``None``: the schedule's own (a ``Plan`` takes none).
-        insertion: how a new block starts (growtrain/insertion.py); ``None``: ``"copy_zero"`` under a
-            budget (the block below's weights, its terminal map at zero), ``"zero"`` elsewhere.
+        insertion: how a new block starts (growtrain/insertion.py); ``None``: ``"copy_ramp"`` under a
+            budget (the block below's weights behind a mask ramped from 0 within the decision's fork),
+            ``"zero"`` elsewhere.
         delta, alpha, t, rule: the first-order test every check reports (Γ̂_n against δ+t), its error
             probability (also every decision's), and how it ranks the sites (``"crossfit"`` or ``"paper"``).
         max_growths: a budget of growths; reaching it ends growth (reason "budget").

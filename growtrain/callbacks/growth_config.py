@@ -160,17 +160,18 @@ class GrowthConfig:
     def _check_insertion(self) -> None:
         kind = self.schedule.kind
         insertion = self.insertion
-        if insertion is None:  # function-preserving everywhere: a copy with its terminal map at zero under a budget
-            insertion = "copy_zero" if kind == "budget" else "zero"
+        if insertion is None:  # function-preserving everywhere; under a budget the copy behind a ramp from zero,
+            # which grew as the plain copy did where copy_zero stopped short (docs/results.md, 2026-12-08)
+            insertion = "copy_ramp" if kind == "budget" else "zero"
         _choice("insertion", insertion, INSERTIONS)
         if kind in ("converged", "periodic") and insertion != "zero":
             raise _bad("insertion", f"'zero' under schedule={kind!r} (its checks score and insert the zero-output "
                        "candidates of the first-order probe)", insertion,
                        "drop insertion, or pass schedule=Budget() / Plan(...) to start blocks as copies")  # fmt: skip
         if kind == "budget" and insertion == "mask_ramp":
-            raise _bad("insertion", "'copy_zero', 'copy_ramp', 'copy' or 'zero' under schedule=Budget() (a fresh "
+            raise _bad("insertion", "'copy_ramp', 'copy_zero', 'copy' or 'zero' under schedule=Budget() (a fresh "
                        "block behind a mask is not a copy of a trained one: MSG's insertion is a plan's)", insertion,
-                       "pass insertion='copy_zero'")  # fmt: skip
+                       "pass insertion='copy_ramp'")  # fmt: skip
         object.__setattr__(self, "insertion", insertion)
 
     def _check_driven(self, kind: str) -> None:

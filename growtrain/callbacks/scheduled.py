@@ -61,8 +61,9 @@ def plan_growth(stages: Sequence[str], lengths: Mapping[str, int], grown: int, n
         return [[f"{st}.{lengths[st] + picks[:i].count(st)}"] for i, st in enumerate(picks)]
     stage = stages[-1]  # the last stage: a decoder has one
     sites = schedule_sites(lengths[stage], n, site, stage)
-    # one editor call per block at a repeated site ("last", "first"); one for distinct sites
-    return [[s] for s in sites] if len(set(sites)) < len(sites) else [sites]
+    # one editor call per block on top or at the bottom ("last", "first": each indexes the stage the previous one
+    # grew); one call for "interleave"'s sites, which all index the stage as it was
+    return [[s] for s in sites] if site in ("last", "first") else [sites]
 
 
 class PlanRun:
