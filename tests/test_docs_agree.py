@@ -342,3 +342,16 @@ def test_the_defaults_full_data_table_is_its_raw_rows():
         # the handed-over test loss beside it: the mean of the seed rows s0-s2, recomputed from the raw rows
         mean = sum(raw[f"s{seed}"]["test_loss"] for seed in range(3)) / 3
         assert f"handed-over test loss {mean:.4f}" in text("README.md")
+
+
+def test_the_insertion_table_is_its_raw_rows():
+    """docs/results.md's table of the budget decision's insertions is what experiments/lm_insertion_results.py
+    prints from the committed rows (one source for those figures)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lm_insertion_results", ROOT / "experiments" / "lm_insertion_results.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    found = study.rows()
+    assert {r["insertion"] for r in found} == {"copy", "copy_zero", "copy_ramp"}
+    assert study.table(found) in (ROOT / "docs" / "results.md").read_text()
