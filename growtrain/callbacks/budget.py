@@ -336,7 +336,7 @@ class BudgetRun:
         for module, ema in sides:
             averaged = _averaged(module, ema)
             with swapped(pl_module, network, averaged) as host:
-                losses.append(probe_sample_losses(trainer, ProbeView(host, averaged), probe, self.cb._loss, device)[0])
+                losses.append(probe_sample_losses(trainer, ProbeView(host, averaged), probe, self.cb._loss, device))
             per = self._per_sample(pl_module, to_device(first_input(Converted(probe, trainer)), device), module)
             self.decision_flops += per * losses[-1].numel()
             self.spent += per * losses[-1].numel()

@@ -401,7 +401,7 @@ class PairedFork:
         # under DDP each rank scores its shard and the shards are all-gathered (FSDP2 is refused for the fork)
         for module in (control, arm):
             with swapped(pl_module, network, module) as host:
-                out.append(probe_sample_losses(trainer, ProbeView(host, module), probe, loss_fn, device)[0])
+                out.append(probe_sample_losses(trainer, ProbeView(host, module), probe, loss_fn, device))
         return out[0], out[1]
 
     # -- a check ----------------------------------------------------------------------------

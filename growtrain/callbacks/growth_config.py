@@ -26,16 +26,16 @@ __all__ = ["GrowthConfig", "ON_SATURATED", "LR_SCHEDULES", "DECISIONS", "SCHEDUL
            "read_only"]  # fmt: skip
 
 ON_SATURATED = ("stop", "continue", "anneal")
-# "trial": every check trains candidate blocks alone and grows iff one certifies min_gain (the default,
-# docs/decision.md); "rule": the first-order rule alone; "stage_fork" (a Periodic schedule): the run against
-# a copy with one more block in every stage, trained on the same batches until the next check, compared on
-# the probe (growtrain/fork.py).
+# "budget_fork" (a Budget schedule): a fork priced against the fit's compute budget (budget.py); "trial": every check
+# trains candidate blocks alone and grows iff one certifies min_gain (docs/decision.md); "rule": the first-order rule
+# alone; "stage_fork" (a Periodic schedule): the run against a copy with one more block in every stage, trained on the
+# same batches until the next check, compared on the probe (growtrain/fork.py).
 DECISIONS = ("budget_fork", "trial", "rule", "stage_fork")
-# The first-order rules a check decides or chooses its site by (the relative rule stays a reported verdict of
-# growtrain measure and measure_saturation, not a callback option: docs/results/history.md).
+# The first-order rules a check decides or chooses its site by.
 CALLBACK_RULES = ("paper", "crossfit")
-# When a check comes: "converged" (a stage plateaus, optionally annealed, then is judged: the paper's
-# protocol) or "periodic" (every every_n_epochs, one final anneal at the end).
+# When: "budget" (decisions early in the fit's compute budget, the default), "converged" (a stage plateaus, optionally
+# annealed, then is judged: the paper's protocol), "periodic" (every every_n_epochs, one final anneal at the end) or
+# "plan" (set points of the fit, no test: Plan(at=...); the name alone grows one block at a quarter of the fit).
 SCHEDULES = ("budget", "converged", "periodic", "plan")
 # "continue"/"restart": what the user's schedulers do after a growth; "anneal": the callback drives
 # the learning rate itself (constant per stage, a cosine anneal before each check, back up after a growth).

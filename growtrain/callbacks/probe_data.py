@@ -236,11 +236,9 @@ def check_split_indices(dm: Any) -> None:
 
 
 def probe_sample_losses(trainer: Any, view: "ProbeView", probe: Any, loss_fn: Any, device: torch.device, *,
-                        collective: bool = False) -> tuple[torch.Tensor, None]:  # fmt: skip
+                        collective: bool = False) -> torch.Tensor:  # fmt: skip
     """Every probe sample's loss (float64, on the host, in the probe's order) — the same tensor on
-    every rank, computed under the trainer's precision as a training step's forward is. Returned as
-    ``(losses, None)``: the callers (budget.py, fork_check.py) still unpack the pair the per-sample
-    fingerprints, now removed, were the second element of.
+    every rank, computed under the trainer's precision as a training step's forward is.
 
     Under DDP each rank scores only its shard (``ShardSampler``: positions ``r, r+w, ...``) and the
     shards are all-gathered and put back in order: a rank does 1/w of the work and no rank's result
@@ -256,7 +254,7 @@ def probe_sample_losses(trainer: Any, view: "ProbeView", probe: Any, loss_fn: An
         losses = losses.double().cpu()
         if world > 1:  # FSDP2: rank 0's vector on every rank, one decision even if a kernel is not bit-reproducible
             losses = trainer.strategy.broadcast(losses, src=0)
-        return losses, None
+        return losses
     n = len(probe.dataset)
     per_rank = -(-n // world)  # the longest shard; shorter ones are padded for the all-gather
 
@@ -269,7 +267,7 @@ def probe_sample_losses(trainer: Any, view: "ProbeView", probe: Any, loss_fn: An
             full[r::world] = rows[r, : len(range(r, n, world))]
         return full
 
-    return gather(losses), None
+    return gather(losses)
 
 
 def random_order(loader: Any) -> str | None:
